@@ -1,0 +1,88 @@
+//! Collective communication between the ranks of one tensor-parallel group.
+//!
+//! The model code talks only to the [`Collective`] trait. Two backends implement it:
+//! [`socket::SocketCollective`] (CPU ranks, TCP or Unix sockets) and, behind the `cuda`
+//! feature, an NCCL communicator. Bootstrap mirrors NCCL: rank 0 creates an opaque
+//! [`CommId`], the coordinator hands it to every rank, and every rank calls `init`.
+
+pub mod socket;
+
+use std::time::Duration;
+
+use candle_core::Tensor;
+
+/// Why a collective failed. Every variant is terminal for the communicator: after an error the
+/// group must be re-initialised with a new id (a new epoch).
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error("communicator init timed out after {waited:?}: rank(s) {missing:?} of {world_size} never joined")]
+    InitTimeout { waited: Duration, missing: Vec<usize>, world_size: usize },
+    #[error("invalid communicator id: {0}")]
+    InvalidId(String),
+    #[error("peer rank {peer} failed during {op}: {reason}")]
+    PeerFailed { peer: usize, op: &'static str, reason: String },
+    #[error("collective {op} timed out after {waited:?} waiting for rank {peer}")]
+    Timeout { op: &'static str, peer: usize, waited: Duration },
+    #[error("communicator was aborted")]
+    Aborted,
+    #[error("collective {op}: {reason}")]
+    Invalid { op: &'static str, reason: String },
+    #[error("io error during {op}: {source}")]
+    Io { op: &'static str, #[source] source: std::io::Error },
+    #[error(transparent)]
+    Tensor(#[from] candle_core::Error),
+}
+
+pub type CommResult<T> = std::result::Result<T, CommError>;
+
+/// The collective operations one rank takes part in. Every rank of the group must call the same
+/// operations in the same order with tensors of matching shape and dtype (all-gather and gather
+/// allow the gathered dimension to differ per rank).
+///
+/// Results are bitwise identical on every rank: sums are taken in rank order.
+pub trait Collective: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Element-wise sum over all ranks; every rank receives the result.
+    fn all_reduce_sum(&self, tensor: &Tensor) -> CommResult<Tensor>;
+    /// Concatenation of every rank's tensor along `dim`, in rank order, on every rank.
+    fn all_gather(&self, tensor: &Tensor, dim: usize) -> CommResult<Tensor>;
+    /// Concatenation along `dim` delivered only to `root` (`Some` there, `None` elsewhere).
+    fn gather(&self, tensor: &Tensor, dim: usize, root: usize) -> CommResult<Option<Tensor>>;
+    /// `root`'s tensor on every rank. Non-root ranks pass a tensor of the same shape and dtype.
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> CommResult<Tensor>;
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self) -> CommResult<()>;
+    /// Make every pending and future operation fail fast with [`CommError::Aborted`] (the
+    /// equivalent of ncclCommAbort). Safe to call from another thread.
+    fn abort(&self);
+}
+
+/// A single-rank group: every collective is the identity. Used at TP 1 so that the model code
+/// has one path.
+pub struct SingleRank;
+
+impl Collective for SingleRank {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&self, tensor: &Tensor) -> CommResult<Tensor> {
+        Ok(tensor.clone())
+    }
+    fn all_gather(&self, tensor: &Tensor, _dim: usize) -> CommResult<Tensor> {
+        Ok(tensor.clone())
+    }
+    fn gather(&self, tensor: &Tensor, _dim: usize, _root: usize) -> CommResult<Option<Tensor>> {
+        Ok(Some(tensor.clone()))
+    }
+    fn broadcast(&self, tensor: &Tensor, _root: usize) -> CommResult<Tensor> {
+        Ok(tensor.clone())
+    }
+    fn barrier(&self) -> CommResult<()> {
+        Ok(())
+    }
+    fn abort(&self) {}
+}

@@ -1,0 +1,139 @@
+//! Per-sequence state a rank keeps between steps: the attention KV cache of every layer.
+//!
+//! Buffers grow by doubling and new positions are written in place, so a decode step copies only
+//! the new token's keys and values, not the whole history.
+
+use std::collections::HashMap;
+
+use anyhow::{Result, bail};
+use candle_core::Tensor;
+
+/// Keys and values of one attention layer for one sequence: [kv_heads, capacity, head_dim].
+#[derive(Default)]
+pub struct KvBuffer {
+    keys: Option<Tensor>,
+    values: Option<Tensor>,
+    len: usize,
+}
+
+impl KvBuffer {
+    /// Appends `[kv_heads, n, head_dim]` keys and values and returns views of the whole history,
+    /// `[kv_heads, len + n, head_dim]`.
+    pub fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
+        let new = keys.dim(1)?;
+        let needed = self.len + new;
+        let capacity = self.keys.as_ref().map(|k| k.dim(1)).transpose()?.unwrap_or(0);
+        if needed > capacity {
+            let capacity = needed.next_power_of_two().max(64);
+            self.keys = Some(grow(self.keys.as_ref(), keys, self.len, capacity)?);
+            self.values = Some(grow(self.values.as_ref(), values, self.len, capacity)?);
+        }
+        let (Some(all_keys), Some(all_values)) = (&self.keys, &self.values) else {
+            bail!("kv buffer was not allocated");
+        };
+        all_keys.slice_set(&keys.contiguous()?, 1, self.len)?;
+        all_values.slice_set(&values.contiguous()?, 1, self.len)?;
+        self.len = needed;
+        Ok((all_keys.narrow(1, 0, needed)?, all_values.narrow(1, 0, needed)?))
+    }
+
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A new buffer of `capacity` positions holding the first `len` positions of `old`.
+fn grow(old: Option<&Tensor>, like: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
+    let (heads, _, head_dim) = like.dims3()?;
+    let buffer = Tensor::zeros((heads, capacity, head_dim), like.dtype(), like.device())?;
+    if let Some(old) = old {
+        if len > 0 {
+            buffer.slice_set(&old.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+        }
+    }
+    Ok(buffer)
+}
+
+/// The cached state of one layer.
+pub enum LayerCache {
+    Attention(KvBuffer),
+}
+
+/// Everything a rank remembers about one sequence.
+pub struct SequenceCache {
+    pub layers: Vec<LayerCache>,
+    /// number of positions already processed
+    pub len: usize,
+}
+
+impl SequenceCache {
+    pub fn new_attention(num_layers: usize) -> Self {
+        Self { layers: (0..num_layers).map(|_| LayerCache::Attention(KvBuffer::default())).collect(), len: 0 }
+    }
+
+    /// Rewinds to `len` positions (used when a sequence is re-prefilled from an earlier point).
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        for layer in &mut self.layers {
+            match layer {
+                LayerCache::Attention(kv) => kv.truncate(len),
+            }
+        }
+        self.len = self.len.min(len);
+        Ok(())
+    }
+}
+
+/// All sequences a rank holds state for, by sequence id.
+#[derive(Default)]
+pub struct CacheStore {
+    sequences: HashMap<u64, SequenceCache>,
+}
+
+impl CacheStore {
+    pub fn get_mut(&mut self, seq_id: u64) -> Option<&mut SequenceCache> {
+        self.sequences.get_mut(&seq_id)
+    }
+
+    pub fn get_or_insert_with(&mut self, seq_id: u64, new: impl FnOnce() -> SequenceCache) -> &mut SequenceCache {
+        self.sequences.entry(seq_id).or_insert_with(new)
+    }
+
+    pub fn take(&mut self, seq_id: u64) -> Option<SequenceCache> {
+        self.sequences.remove(&seq_id)
+    }
+
+    pub fn insert(&mut self, seq_id: u64, cache: SequenceCache) {
+        self.sequences.insert(seq_id, cache);
+    }
+
+    pub fn remove(&mut self, seq_id: u64) -> bool {
+        self.sequences.remove(&seq_id).is_some()
+    }
+
+    pub fn clear(&mut self) -> usize {
+        let count = self.sequences.len();
+        self.sequences.clear();
+        count
+    }
+
+    pub fn len(&self) -> usize {
+        self.sequences.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sequences.is_empty()
+    }
+
+    /// Total cached positions over all sequences (the KV occupancy in tokens).
+    pub fn cached_tokens(&self) -> usize {
+        self.sequences.values().map(|s| s.len).sum()
+    }
+}

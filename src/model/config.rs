@@ -1,0 +1,277 @@
+//! config.json parsing for the model families we serve.
+//!
+//! Real checkpoints disagree on where things live (transformers 5 moved rope_theta into
+//! `rope_parameters`, multimodal checkpoints nest the text model under `text_config`), so the
+//! parser reads a JSON value and normalises it into one [`ModelConfig`].
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+/// The architectures tpserve knows how to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelFamily {
+    Qwen3,
+    Llama,
+}
+
+impl ModelFamily {
+    fn from_model_type(model_type: &str) -> Result<Self> {
+        match model_type {
+            "qwen3" => Ok(Self::Qwen3),
+            "llama" => Ok(Self::Llama),
+            other => bail!(
+                "unsupported model_type \"{other}\" in config.json (supported: qwen3, llama)"
+            ),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Qwen3 => "qwen3",
+            Self::Llama => "llama",
+        }
+    }
+}
+
+/// Normalised hyper-parameters of a decoder-only transformer.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub family: ModelFamily,
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    /// Qwen3 normalises q and k per head before RoPE; Llama does not.
+    pub qk_norm: bool,
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+}
+
+impl ModelConfig {
+    /// Reads `<dir>/config.json`.
+    pub fn from_model_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        Self::from_json_str(&text).with_context(|| format!("invalid {}", path.display()))
+    }
+
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        let root: Value = serde_json::from_str(text).context("config.json is not valid JSON")?;
+        if !root.is_object() {
+            bail!("config.json must be a JSON object");
+        }
+        let model_type = string_field(&root, "model_type")?;
+        let family = ModelFamily::from_model_type(&model_type)?;
+        let reader = Fields(&root);
+
+        let hidden_size = reader.usize("hidden_size")?;
+        let num_attention_heads = reader.usize("num_attention_heads")?;
+        let num_key_value_heads =
+            reader.opt_usize("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        if num_attention_heads == 0 || num_key_value_heads == 0 {
+            bail!("num_attention_heads and num_key_value_heads must be positive");
+        }
+        if num_attention_heads % num_key_value_heads != 0 {
+            bail!(
+                "num_attention_heads ({num_attention_heads}) must be a multiple of \
+                 num_key_value_heads ({num_key_value_heads})"
+            );
+        }
+        let head_dim = match reader.opt_usize("head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    bail!(
+                        "head_dim is absent and hidden_size ({hidden_size}) is not divisible by \
+                         num_attention_heads ({num_attention_heads})"
+                    );
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            bail!("head_dim must be a positive even number, got {head_dim}");
+        }
+        let hidden_act = root.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        if hidden_act != "silu" {
+            bail!("hidden_act \"{hidden_act}\" is not supported (only silu)");
+        }
+        if root.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+            bail!("use_sliding_window=true is not supported");
+        }
+        check_rope_scaling(&root)?;
+
+        let config = ModelConfig {
+            family,
+            vocab_size: reader.usize("vocab_size")?,
+            hidden_size,
+            intermediate_size: reader.usize("intermediate_size")?,
+            num_hidden_layers: reader.usize("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: reader.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta: rope_theta(&root)?,
+            max_position_embeddings: reader.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            tie_word_embeddings: root
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            attention_bias: root.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
+            qk_norm: family == ModelFamily::Qwen3,
+            eos_token_ids: token_ids(root.get("eos_token_id"), "eos_token_id")?,
+            bos_token_id: token_ids(root.get("bos_token_id"), "bos_token_id")?.first().copied(),
+            model_type,
+        };
+        for (name, value) in [
+            ("vocab_size", config.vocab_size),
+            ("hidden_size", config.hidden_size),
+            ("intermediate_size", config.intermediate_size),
+            ("num_hidden_layers", config.num_hidden_layers),
+            ("max_position_embeddings", config.max_position_embeddings),
+        ] {
+            if value == 0 {
+                bail!("{name} must be positive");
+            }
+        }
+        Ok(config)
+    }
+}
+
+/// Reads EOS ids from generation_config.json (which overrides config.json, as in transformers).
+pub fn generation_eos_ids(dir: &Path) -> Result<Option<Vec<u32>>> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let root: Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    match root.get("eos_token_id") {
+        None | Some(Value::Null) => Ok(None),
+        some => Ok(Some(token_ids(some, "eos_token_id")?)),
+    }
+}
+
+struct Fields<'a>(&'a Value);
+
+impl Fields<'_> {
+    fn opt_usize(&self, name: &str) -> Result<Option<usize>> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .with_context(|| format!("field \"{name}\" must be a non-negative integer, got {v}")),
+        }
+    }
+
+    fn usize(&self, name: &str) -> Result<usize> {
+        self.opt_usize(name)?
+            .with_context(|| format!("required field \"{name}\" is missing"))
+    }
+
+    fn opt_f64(&self, name: &str) -> Result<Option<f64>> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .with_context(|| format!("field \"{name}\" must be a number, got {v}")),
+        }
+    }
+}
+
+fn string_field(root: &Value, name: &str) -> Result<String> {
+    root.get(name)
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .with_context(|| format!("required string field \"{name}\" is missing"))
+}
+
+/// transformers 5 writes `rope_parameters.rope_theta`; older checkpoints a top-level `rope_theta`.
+fn rope_theta(root: &Value) -> Result<f64> {
+    let nested = root.get("rope_parameters").and_then(|p| p.get("rope_theta"));
+    match nested.or_else(|| root.get("rope_theta")) {
+        None | Some(Value::Null) => Ok(10_000.0),
+        Some(v) => v
+            .as_f64()
+            .filter(|t| *t > 0.0)
+            .with_context(|| format!("rope_theta must be a positive number, got {v}")),
+    }
+}
+
+/// Scaled RoPE variants change the numerics; refusing them beats silently wrong output.
+fn check_rope_scaling(root: &Value) -> Result<()> {
+    for key in ["rope_scaling", "rope_parameters"] {
+        if let Some(kind) = root.get(key).and_then(|p| p.get("rope_type")).and_then(Value::as_str)
+        {
+            if kind != "default" {
+                bail!("{key}.rope_type \"{kind}\" is not supported (only default RoPE)");
+            }
+        }
+    }
+    Ok(())
+}
+
+fn token_ids(value: Option<&Value>, name: &str) -> Result<Vec<u32>> {
+    let as_id = |v: &Value| {
+        v.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .with_context(|| format!("{name} must be a token id or a list of ids, got {v}"))
+    };
+    match value {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) => items.iter().map(as_id).collect(),
+        Some(v) => Ok(vec![as_id(v)?]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN3: &str = r#"{"model_type":"qwen3","vocab_size":448,"hidden_size":64,
+        "intermediate_size":128,"num_hidden_layers":4,"num_attention_heads":8,
+        "num_key_value_heads":4,"head_dim":16,"rope_parameters":{"rope_theta":1e6,"rope_type":"default"},
+        "tie_word_embeddings":true,"eos_token_id":2}"#;
+
+    #[test]
+    fn parses_transformers5_rope_parameters() {
+        let config = ModelConfig::from_json_str(QWEN3).unwrap();
+        assert_eq!(config.rope_theta, 1e6);
+        assert_eq!(config.eos_token_ids, vec![2]);
+        assert!(config.qk_norm);
+    }
+
+    #[test]
+    fn accepts_top_level_rope_theta() {
+        let text = QWEN3.replace(r#""rope_parameters":{"rope_theta":1e6,"rope_type":"default"}"#, r#""rope_theta":5e5"#);
+        assert_eq!(ModelConfig::from_json_str(&text).unwrap().rope_theta, 5e5);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let text = QWEN3.replace(r#""hidden_size":64,"#, "");
+        let err = format!("{:#}", ModelConfig::from_json_str(&text).unwrap_err());
+        assert!(err.contains("hidden_size"), "{err}");
+        let err = format!("{:#}", ModelConfig::from_json_str("{nope").unwrap_err());
+        assert!(err.contains("not valid JSON"), "{err}");
+        let text = QWEN3.replace("qwen3", "gpt2");
+        let err = format!("{:#}", ModelConfig::from_json_str(&text).unwrap_err());
+        assert!(err.contains("unsupported model_type"), "{err}");
+    }
+}

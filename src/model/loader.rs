@@ -1,0 +1,267 @@
+//! Reading one rank's slice of a checkpoint.
+//!
+//! Safetensors files are memory-mapped, and a rank copies out only the byte ranges of its own
+//! slice: a 70B checkpoint shared by 8 ranks on one host costs each rank 1/8 of the bytes, not a
+//! full copy. Slices are described as index ranges along one dimension, so fused tensors
+//! ([q | k | v] regions, per-head [query | gate] pairs) are cut region by region.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Context, Result, bail};
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+
+/// Counters a loading rank updates as it copies its shard, read by the LoadShard progress stream.
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    pub bytes: AtomicU64,
+    pub tensors: AtomicU64,
+}
+
+/// The safetensors files of one model directory, memory-mapped.
+pub struct WeightFiles {
+    tensors: MmapedSafetensors,
+    /// tensor name -> file it lives in, for error messages
+    locations: HashMap<String, PathBuf>,
+    total_bytes: u64,
+}
+
+impl WeightFiles {
+    /// Opens `model.safetensors`, or every file named by `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let files = safetensors_files(dir)?;
+        let mut total_bytes = 0;
+        for file in &files {
+            let meta = std::fs::metadata(file)
+                .with_context(|| format!("cannot read weights file {}", file.display()))?;
+            total_bytes += meta.len();
+        }
+        // SAFETY: the files are mapped read-only; tpserve never writes them. As with every mmap,
+        // truncating a file while it is mapped is the operator's error (SIGBUS), not ours.
+        let tensors = unsafe { MmapedSafetensors::multi(&files) }
+            .map_err(|err| anyhow::anyhow!("{err}"))
+            .with_context(|| format!("cannot parse safetensors in {}", dir.display()))?;
+        let mut locations = HashMap::new();
+        for file in &files {
+            // SAFETY: as above. Reading the header again is cheap and keeps the routing explicit.
+            let single = unsafe { MmapedSafetensors::new(file) }
+                .map_err(|err| anyhow::anyhow!("{err}"))
+                .with_context(|| format!("cannot parse {}", file.display()))?;
+            for (name, view) in single.tensors() {
+                check_view_bounds(&name, &view, file)?;
+                locations.insert(name, file.clone());
+            }
+        }
+        Ok(Self { tensors, locations, total_bytes })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.locations.contains_key(name)
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.locations.keys().map(String::as_str)
+    }
+
+    pub fn dtype(&self, name: &str) -> Result<DType> {
+        let view = self.view(name)?;
+        DType::try_from(view.dtype()).map_err(|err| anyhow::anyhow!("tensor \"{name}\": {err}"))
+    }
+
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        Ok(self.view(name)?.shape().to_vec())
+    }
+
+    fn view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
+        if !self.contains(name) {
+            bail!("tensor \"{name}\" is missing from the checkpoint");
+        }
+        self.tensors
+            .get(name)
+            .map_err(|err| anyhow::anyhow!("cannot read tensor \"{name}\": {err}"))
+    }
+}
+
+/// safetensors validates offsets against the header, but a header can still describe a data
+/// size that does not match shape x dtype; catch that before slicing.
+fn check_view_bounds(
+    name: &str,
+    view: &safetensors::tensor::TensorView<'_>,
+    file: &Path,
+) -> Result<()> {
+    let elements: usize = view.shape().iter().product();
+    let expected = elements * view.dtype().bitsize() / 8;
+    if view.data().len() != expected {
+        bail!(
+            "tensor \"{name}\" in {} holds {} bytes but shape {:?} of {:?} needs {expected}",
+            file.display(),
+            view.data().len(),
+            view.shape(),
+            view.dtype()
+        );
+    }
+    Ok(())
+}
+
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    if !dir.is_dir() {
+        bail!("model directory {} does not exist or is not a directory", dir.display());
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index)
+            .with_context(|| format!("cannot read {}", index.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not valid JSON", index.display()))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .with_context(|| format!("{} has no weight_map object", index.display()))?;
+        let mut files: Vec<PathBuf> = Vec::new();
+        for value in map.values() {
+            let file = value
+                .as_str()
+                .with_context(|| format!("{}: weight_map values must be file names", index.display()))?;
+            if file.contains('/') || file.contains("..") {
+                bail!("{}: weight file \"{file}\" must be a plain file name", index.display());
+            }
+            let path = dir.join(file);
+            if !files.contains(&path) {
+                files.push(path);
+            }
+        }
+        for file in &files {
+            if !file.exists() {
+                bail!("weight file {} named in {} is missing", file.display(), index.display());
+            }
+        }
+        files.sort();
+        return Ok(files);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    bail!(
+        "no weights in {}: expected model.safetensors or model.safetensors.index.json",
+        dir.display()
+    )
+}
+
+/// Reads tensors (or slices of them) under a name prefix, converting to the compute dtype.
+#[derive(Clone)]
+pub struct ShardLoader {
+    files: Arc<WeightFiles>,
+    prefix: String,
+    device: Device,
+    dtype: DType,
+    progress: Arc<LoadProgress>,
+}
+
+impl ShardLoader {
+    pub fn new(files: Arc<WeightFiles>, device: Device, dtype: DType, progress: Arc<LoadProgress>) -> Self {
+        Self { files, prefix: String::new(), device, dtype, progress }
+    }
+
+    /// A loader for the names under `prefix.` (like candle's `VarBuilder::pp`).
+    pub fn pp(&self, prefix: impl std::fmt::Display) -> Self {
+        let prefix = if self.prefix.is_empty() {
+            prefix.to_string()
+        } else {
+            format!("{}.{prefix}", self.prefix)
+        };
+        Self { prefix, ..self.clone() }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn full_name(&self, name: &str) -> String {
+        if self.prefix.is_empty() { name.to_owned() } else { format!("{}.{name}", self.prefix) }
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.files.contains(&self.full_name(name))
+    }
+
+    /// The whole tensor, after checking it has the shape the config implies.
+    pub fn tensor(&self, name: &str, expected_shape: &[usize]) -> Result<Tensor> {
+        self.slice(name, expected_shape, 0, &[0..expected_shape.first().copied().unwrap_or(1)])
+            .and_then(|t| Ok(t.reshape(expected_shape)?))
+    }
+
+    /// The concatenation of `ranges` along `dim` (in order), copied straight from the mapped file.
+    pub fn slice(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        dim: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<Tensor> {
+        let full_name = self.full_name(name);
+        let view = self.files.view(&full_name)?;
+        let shape = view.shape();
+        if shape != expected_shape {
+            bail!(
+                "tensor \"{full_name}\" has shape {shape:?} but config.json implies {expected_shape:?}"
+            );
+        }
+        let dtype = DType::try_from(view.dtype())
+            .map_err(|err| anyhow::anyhow!("tensor \"{full_name}\": unsupported dtype: {err}"))?;
+        let shape = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+        if dim >= shape.len() {
+            bail!("tensor \"{full_name}\" has no dimension {dim} to slice");
+        }
+        for range in ranges {
+            if range.start > range.end || range.end > shape[dim] {
+                bail!(
+                    "slice {range:?} of dimension {dim} is out of bounds for tensor \"{full_name}\" of shape {shape:?}"
+                );
+            }
+        }
+        let element_bytes = dtype.size_in_bytes();
+        let outer: usize = shape[..dim].iter().product();
+        let inner_bytes: usize = shape[dim + 1..].iter().product::<usize>() * element_bytes;
+        let data = view.data();
+        let selected: usize = ranges.iter().map(|r| r.end - r.start).sum();
+        let mut bytes = Vec::with_capacity(outer * selected * inner_bytes);
+        for block in 0..outer {
+            let block_start = block * shape[dim] * inner_bytes;
+            for range in ranges {
+                bytes.extend_from_slice(
+                    &data[block_start + range.start * inner_bytes..block_start + range.end * inner_bytes],
+                );
+            }
+        }
+        let mut out_shape = shape.clone();
+        out_shape[dim] = selected;
+        let tensor = Tensor::from_raw_buffer(&bytes, dtype, &out_shape, &self.device)
+            .with_context(|| format!("cannot build tensor \"{full_name}\""))?
+            .to_dtype(self.dtype)?;
+        self.progress.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.progress.tensors.fetch_add(1, Ordering::Relaxed);
+        Ok(tensor)
+    }
+}
+
+/// Splits `0..len` into `world_size` contiguous parts of `ceil(len / world_size)` and returns
+/// part `rank`; when `len` does not divide, the last parts are shorter (possibly empty).
+pub fn even_part(len: usize, rank: usize, world_size: usize) -> Range<usize> {
+    let chunk = len.div_ceil(world_size);
+    let start = (rank * chunk).min(len);
+    let end = ((rank + 1) * chunk).min(len);
+    start..end
+}

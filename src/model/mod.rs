@@ -1,0 +1,162 @@
+//! Model definitions, checkpoint loading and the tensor-parallel layers they share.
+//!
+//! One file per model family; every family is written against [`parallel`] and [`loader`], so
+//! the same code runs at any TP size and on any device.
+
+pub mod cache;
+pub mod config;
+pub mod loader;
+pub mod parallel;
+pub mod qwen3;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use candle_core::{DType, Device, Tensor};
+
+pub use cache::{CacheStore, SequenceCache};
+pub use config::{ModelConfig, ModelFamily};
+use loader::{LoadProgress, ShardLoader, WeightFiles};
+use parallel::TpGroup;
+
+/// The new tokens of one sequence in a step: `tokens` occupy positions
+/// `start_pos .. start_pos + tokens.len()`.
+#[derive(Debug, Clone, Copy)]
+pub struct SequenceInput<'a> {
+    pub seq_id: u64,
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+}
+
+/// How to load a shard.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// dtype the weights are converted to and computed in; None keeps the checkpoint's dtype.
+    pub dtype: Option<DType>,
+    pub device: Device,
+}
+
+/// A loaded shard of any supported family.
+pub enum Model {
+    Qwen3(qwen3::Model),
+}
+
+impl Model {
+    /// Loads this rank's shard of the model in `dir`.
+    pub fn load(dir: &Path, group: &TpGroup, options: &LoadOptions, progress: Arc<LoadProgress>) -> Result<Self> {
+        let config = ModelConfig::from_model_dir(dir)?;
+        let files = Arc::new(WeightFiles::open(dir)?);
+        let dtype = match options.dtype {
+            Some(dtype) => dtype,
+            None => checkpoint_dtype(&files)?,
+        };
+        let loader = ShardLoader::new(files, options.device.clone(), dtype, progress);
+        let model = match config.family {
+            ModelFamily::Qwen3 | ModelFamily::Llama => Model::Qwen3(qwen3::Model::load(&loader, group, &config)?),
+        };
+        Ok(model)
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            Model::Qwen3(model) => model.config(),
+        }
+    }
+
+    pub fn group(&self) -> &TpGroup {
+        match self {
+            Model::Qwen3(model) => model.group(),
+        }
+    }
+
+    pub fn new_sequence_cache(&self) -> SequenceCache {
+        match self {
+            Model::Qwen3(model) => model.new_sequence_cache(),
+        }
+    }
+
+    /// Runs one step for a batch of sequences, creating caches for new sequences, and returns
+    /// the last-token logits [sequences, vocab] (f32) on the sampling rank, None elsewhere.
+    ///
+    /// A sequence's `start_pos` may be below its cached length (the cache is rewound, e.g. for
+    /// a re-prefill) but not above it: positions cannot be skipped.
+    pub fn step(&self, batch: &[SequenceInput<'_>], store: &mut CacheStore) -> Result<Option<Tensor>> {
+        let config = self.config();
+        for (i, seq) in batch.iter().enumerate() {
+            if seq.tokens.is_empty() {
+                bail!("sequence {} has no new tokens", seq.seq_id);
+            }
+            if batch[..i].iter().any(|other| other.seq_id == seq.seq_id) {
+                bail!("sequence {} appears twice in one step", seq.seq_id);
+            }
+            if let Some(bad) = seq.tokens.iter().find(|&&t| t as usize >= config.vocab_size) {
+                bail!("token id {bad} of sequence {} is outside the vocabulary (size {})", seq.seq_id, config.vocab_size);
+            }
+            let end = seq.start_pos + seq.tokens.len();
+            if end > config.max_position_embeddings {
+                bail!(
+                    "sequence {} would reach position {end}, beyond the context length {}",
+                    seq.seq_id,
+                    config.max_position_embeddings
+                );
+            }
+            let cached = store.get_mut(seq.seq_id).map(|c| c.len).unwrap_or(0);
+            if seq.start_pos > cached {
+                bail!(
+                    "sequence {} starts at position {} but only {cached} positions are cached",
+                    seq.seq_id,
+                    seq.start_pos
+                );
+            }
+        }
+        // Take the caches out of the store so the forward pass can hold them all mutably.
+        let mut caches: Vec<SequenceCache> = batch
+            .iter()
+            .map(|seq| {
+                let mut cache = store.take(seq.seq_id).unwrap_or_else(|| self.new_sequence_cache());
+                cache.truncate(seq.start_pos)?;
+                Ok(cache)
+            })
+            .collect::<Result<_>>()?;
+        let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().collect();
+        let result = match self {
+            Model::Qwen3(model) => model.forward(batch, &mut refs),
+        };
+        // On failure the caches may be half-updated: drop them rather than keep corrupt state.
+        if result.is_ok() {
+            for (seq, cache) in batch.iter().zip(caches) {
+                store.insert(seq.seq_id, cache);
+            }
+        }
+        result.context("forward pass failed")
+    }
+}
+
+/// The dtype most floating-point tensors of the checkpoint are stored in.
+fn checkpoint_dtype(files: &WeightFiles) -> Result<DType> {
+    let mut counts = std::collections::HashMap::new();
+    for name in files.tensor_names() {
+        if let Ok(dtype) = files.dtype(name) {
+            *counts.entry(dtype).or_insert(0usize) += 1;
+        }
+    }
+    counts
+        .into_iter()
+        .filter(|(dtype, _)| dtype.is_float())
+        .max_by_key(|(_, count)| *count)
+        .map(|(dtype, _)| dtype)
+        .context("the checkpoint has no floating-point tensors")
+}
+
+/// RMSNorm over the last dimension, normalising in f32 and scaling by `weight`.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if x.dtype() == DType::F32 && weight.dtype() == DType::F32 {
+        return Ok(candle_nn::ops::rms_norm(&x.contiguous()?, weight, eps as f32)?);
+    }
+    let dtype = x.dtype();
+    let x32 = x.to_dtype(DType::F32)?;
+    let variance = x32.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
+    let normed = x32.broadcast_div(&(variance + eps)?.sqrt()?)?.to_dtype(dtype)?;
+    Ok(normed.broadcast_mul(weight)?)
+}

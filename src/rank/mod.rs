@@ -1,0 +1,4 @@
+//! The rank server: one tensor-parallel shard, its caches and its communicator.
+
+pub mod offline;
+pub mod sampling;

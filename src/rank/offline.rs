@@ -1,0 +1,87 @@
+//! A driver that runs prompts through one shard with no coordinator: every rank of a group
+//! runs it with the same prompts, and the sampling rank reports greedy tokens and logits.
+//! Parity tests and the benchmark use it to exercise the model and the collectives without
+//! the RPC layer.
+
+use anyhow::{Context, Result};
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use crate::model::{CacheStore, Model, SequenceInput};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PromptResult {
+    /// greedy tokens after the prompt
+    pub new_ids: Vec<u32>,
+    /// logits at the last prompt position (whole vocabulary)
+    pub last_logits: Vec<f32>,
+}
+
+/// Greedy decoding of `prompt`: prefill in chunks of `chunk` tokens (0 = all at once), then
+/// `max_new` single-token steps. `suppressed` ids (EOS when ignoring it) are never chosen.
+/// Returns Some on the sampling rank only.
+pub fn greedy(
+    model: &Model,
+    seq_id: u64,
+    prompt: &[u32],
+    max_new: usize,
+    chunk: usize,
+    suppressed: &[u32],
+) -> Result<Option<PromptResult>> {
+    let mut store = CacheStore::default();
+    let chunk = if chunk == 0 { prompt.len() } else { chunk };
+    let mut logits = None;
+    let mut start = 0;
+    for piece in prompt.chunks(chunk) {
+        logits = model.step(&[SequenceInput { seq_id, tokens: piece, start_pos: start }], &mut store)?;
+        start += piece.len();
+    }
+    let last_logits = match &logits {
+        Some(l) => Some(row(l)?),
+        None => None,
+    };
+    let mut new_ids = Vec::with_capacity(max_new);
+    let mut next = last_logits.as_ref().map(|l| argmax(l, suppressed));
+    for step in 0..max_new {
+        // Every rank must feed the same token; the sampling rank knows it, the others learn it
+        // through a broadcast, as the coordinator would tell them in a served system.
+        let token = broadcast_token(model, next)?;
+        new_ids.push(token);
+        if step + 1 == max_new {
+            break;
+        }
+        let out = model.step(&[SequenceInput { seq_id, tokens: &[token], start_pos: start }], &mut store)?;
+        start += 1;
+        next = match out {
+            Some(l) => Some(argmax(&row(&l)?, suppressed)),
+            None => None,
+        };
+    }
+    Ok(last_logits.map(|last_logits| PromptResult { new_ids, last_logits }))
+}
+
+fn row(logits: &Tensor) -> Result<Vec<f32>> {
+    Ok(logits.get(0)?.to_vec1::<f32>()?)
+}
+
+fn argmax(logits: &[f32], suppressed: &[u32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_value = f32::NEG_INFINITY;
+    for (i, &value) in logits.iter().enumerate() {
+        if value > best_value && !suppressed.contains(&(i as u32)) {
+            best = i;
+            best_value = value;
+        }
+    }
+    best as u32
+}
+
+fn broadcast_token(model: &Model, token: Option<u32>) -> Result<u32> {
+    let group = model.group();
+    if group.world_size == 1 {
+        return token.context("the single rank produced no logits");
+    }
+    let value = Tensor::new(&[token.unwrap_or(0) as f32], &candle_core::Device::Cpu)?;
+    let value = group.comm.broadcast(&value, 0)?;
+    Ok(value.to_vec1::<f32>()?[0] as u32)
+}
