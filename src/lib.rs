@@ -1,8 +1,16 @@
 //! tpserve: a tensor-parallel LLM inference service.
 //!
+//! - [`coordinator`]: the public gRPC service; tokenizes, schedules, streams, drives the ranks.
+//! - [`rank`]: a rank server holding one tensor-parallel shard and its caches.
 //! - [`comm`]: collectives between ranks (sockets on CPU, NCCL on GPU).
 //! - [`model`]: configs, checkpoint loading, parallel layers, model families.
+//! - [`proto`]: the generated protocol code; [`net`]: addresses and transports.
+//! - [`cli`]: the `tpserve` command line.
 
+pub mod cli;
 pub mod comm;
+pub mod coordinator;
 pub mod model;
+pub mod net;
+pub mod proto;
 pub mod rank;

@@ -21,12 +21,14 @@ use loader::{LoadProgress, ShardLoader, WeightFiles};
 use parallel::TpGroup;
 
 /// The new tokens of one sequence in a step: `tokens` occupy positions
-/// `start_pos .. start_pos + tokens.len()`.
+/// `start_pos .. start_pos + tokens.len()`. `sample` asks for the logits after the last one
+/// (false for all but the last chunk of a chunked prefill).
 #[derive(Debug, Clone, Copy)]
 pub struct SequenceInput<'a> {
     pub seq_id: u64,
     pub tokens: &'a [u32],
     pub start_pos: usize,
+    pub sample: bool,
 }
 
 /// How to load a shard.
@@ -76,8 +78,30 @@ impl Model {
         }
     }
 
+    /// dtype the weights are held and computed in.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Model::Qwen3(model) => model.dtype(),
+        }
+    }
+
+    /// Bytes of weights this rank holds.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Model::Qwen3(model) => model.weight_bytes(),
+        }
+    }
+
+    /// Bytes of cache one token of one sequence takes on this rank.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        match self {
+            Model::Qwen3(model) => model.kv_bytes_per_token(),
+        }
+    }
+
     /// Runs one step for a batch of sequences, creating caches for new sequences, and returns
-    /// the last-token logits [sequences, vocab] (f32) on the sampling rank, None elsewhere.
+    /// the last-token logits [sampling sequences, vocab] (f32) of the sequences that asked to
+    /// sample, on the sampling rank; None elsewhere or when no sequence samples.
     ///
     /// A sequence's `start_pos` may be below its cached length (the cache is rewound, e.g. for
     /// a re-prefill) but not above it: positions cannot be skipped.

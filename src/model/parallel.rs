@@ -124,6 +124,10 @@ impl ColumnParallelLinear {
         Self::load_fused(loader, &[(RowSlice { name, rows: vec![rows] }, out_features)], in_features, with_bias)
     }
 
+    pub fn weights(&self) -> Vec<&Tensor> {
+        std::iter::once(&self.weight).chain(self.bias.as_ref()).collect()
+    }
+
     /// [tokens, in] -> [tokens, local_out]
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         linear(x, &self.weight, self.bias.as_ref())
@@ -184,6 +188,10 @@ impl RowParallelLinear {
     ) -> Result<Self> {
         let columns = group.part(field, in_features)?;
         Self::load_columns(loader, group, name, out_features, in_features, &[columns], with_bias)
+    }
+
+    pub fn weights(&self) -> Vec<&Tensor> {
+        std::iter::once(&self.weight).chain(self.bias.as_ref()).collect()
     }
 
     /// [tokens, local_in] -> [tokens, out], summed over ranks.
@@ -282,6 +290,10 @@ impl ParallelLmHead {
     /// Tied embeddings: reuse the embedding's vocabulary slice.
     pub fn tied(embedding: &VocabParallelEmbedding, group: &TpGroup) -> Self {
         Self::from_weight(embedding.weight().clone(), group)
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
     }
 
     fn from_weight(weight: Tensor, group: &TpGroup) -> Self {

@@ -33,6 +33,10 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         rms_norm(x, &self.weight, self.eps)
     }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
 }
 
 /// cos/sin tables for every position, [max_positions, rotary_dim / 2].
@@ -232,6 +236,17 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    fn weights(&self) -> Vec<&Tensor> {
+        let mut all = vec![self.input_norm.weight(), self.post_attention_norm.weight()];
+        all.extend(self.attention.qkv.weights());
+        all.extend(self.attention.o_proj.weights());
+        all.extend(self.attention.q_norm.iter().map(RmsNorm::weight));
+        all.extend(self.attention.k_norm.iter().map(RmsNorm::weight));
+        all.extend(self.mlp.gate_up.weights());
+        all.extend(self.mlp.down.weights());
+        all
+    }
+
     fn load(loader: &ShardLoader, group: &TpGroup, config: &ModelConfig) -> Result<Self> {
         let h = config.hidden_size;
         Ok(Self {
@@ -286,6 +301,34 @@ impl Model {
         &self.group
     }
 
+    pub fn dtype(&self) -> DType {
+        self.embed.weight().dtype()
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        self.weights().iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+
+    fn weights(&self) -> Vec<&Tensor> {
+        let mut all = vec![self.embed.weight(), self.norm.weight()];
+        if !self.config.tie_word_embeddings {
+            all.push(self.lm_head.weight());
+        }
+        for layer in &self.layers {
+            all.extend(layer.weights());
+        }
+        all
+    }
+
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let per_layer: usize = self
+            .layers
+            .iter()
+            .map(|l| 2 * l.attention.heads.local_kv_heads * l.attention.head_dim)
+            .sum();
+        per_layer * self.dtype().size_in_bytes()
+    }
+
     pub fn new_sequence_cache(&self) -> SequenceCache {
         SequenceCache::new_attention(self.layers.len())
     }
@@ -300,7 +343,9 @@ impl Model {
         for seq in batch {
             ids.extend_from_slice(seq.tokens);
             positions.extend((seq.start_pos..seq.start_pos + seq.tokens.len()).map(|p| p as u32));
-            last_rows.push((ids.len() - 1) as u32);
+            if seq.sample {
+                last_rows.push((ids.len() - 1) as u32);
+            }
         }
         let positions = Tensor::from_vec(positions, ids.len(), &device)?;
         let mut hidden = self.embed.forward(&ids)?;
@@ -316,7 +361,11 @@ impl Model {
         for (seq, cache) in batch.iter().zip(caches.iter_mut()) {
             cache.len = seq.start_pos + seq.tokens.len();
         }
-        let last_rows = Tensor::from_vec(last_rows, batch.len(), &device)?;
+        // Every rank sees the same batch, so all of them agree on skipping the gather.
+        if last_rows.is_empty() {
+            return Ok(None);
+        }
+        let last_rows = Tensor::from_vec(last_rows.clone(), last_rows.len(), &device)?;
         let last = hidden.index_select(&last_rows, 0)?;
         let last = self.norm.forward(&last)?;
         self.lm_head.forward(&last)

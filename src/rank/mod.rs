@@ -2,3 +2,5 @@
 
 pub mod offline;
 pub mod sampling;
+pub mod server;
+pub mod worker;

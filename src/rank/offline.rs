@@ -17,6 +17,27 @@ pub struct PromptResult {
     pub last_logits: Vec<f32>,
 }
 
+/// A greedy run with the time its single-token steps took.
+pub struct TimedResult {
+    pub result: Option<PromptResult>,
+    pub decode_steps: usize,
+    pub decode_time: std::time::Duration,
+}
+
+/// [`greedy`], timing the decode steps (for the benchmark).
+pub fn greedy_timed(
+    model: &Model,
+    seq_id: u64,
+    prompt: &[u32],
+    max_new: usize,
+    chunk: usize,
+    suppressed: &[u32],
+) -> Result<TimedResult> {
+    let mut timing = (0, std::time::Duration::ZERO);
+    let result = run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, &mut timing)?;
+    Ok(TimedResult { result, decode_steps: timing.0, decode_time: timing.1 })
+}
+
 /// Greedy decoding of `prompt`: prefill in chunks of `chunk` tokens (0 = all at once), then
 /// `max_new` single-token steps. `suppressed` ids (EOS when ignoring it) are never chosen.
 /// Returns Some on the sampling rank only.
@@ -28,12 +49,24 @@ pub fn greedy(
     chunk: usize,
     suppressed: &[u32],
 ) -> Result<Option<PromptResult>> {
+    run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, &mut (0, std::time::Duration::ZERO))
+}
+
+fn run_greedy(
+    model: &Model,
+    seq_id: u64,
+    prompt: &[u32],
+    max_new: usize,
+    chunk: usize,
+    suppressed: &[u32],
+    timing: &mut (usize, std::time::Duration),
+) -> Result<Option<PromptResult>> {
     let mut store = CacheStore::default();
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut logits = None;
     let mut start = 0;
     for piece in prompt.chunks(chunk) {
-        logits = model.step(&[SequenceInput { seq_id, tokens: piece, start_pos: start }], &mut store)?;
+        logits = model.step(&[SequenceInput { seq_id, tokens: piece, start_pos: start, sample: true }], &mut store)?;
         start += piece.len();
     }
     let last_logits = match &logits {
@@ -50,7 +83,10 @@ pub fn greedy(
         if step + 1 == max_new {
             break;
         }
-        let out = model.step(&[SequenceInput { seq_id, tokens: &[token], start_pos: start }], &mut store)?;
+        let started = std::time::Instant::now();
+        let out = model.step(&[SequenceInput { seq_id, tokens: &[token], start_pos: start, sample: true }], &mut store)?;
+        timing.0 += 1;
+        timing.1 += started.elapsed();
         start += 1;
         next = match out {
             Some(l) => Some(argmax(&row(&l)?, suppressed)),

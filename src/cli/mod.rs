@@ -1,0 +1,223 @@
+//! The `tpserve` command line. Scripts depend on these forms; see README.md.
+
+pub mod client;
+pub mod demo;
+pub mod eval_shard;
+pub mod serve;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use clap::{Args, Parser, Subcommand};
+
+use crate::coordinator::CoordinatorOptions;
+use crate::coordinator::engine::SchedulerConfig;
+use crate::net::Address;
+
+#[derive(Parser, Debug)]
+#[command(name = "tpserve", version, about = "Tensor-parallel LLM inference: a gRPC coordinator driving rank servers")]
+pub struct Cli {
+    /// Log format for servers: text or json
+    #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run one rank server (one tensor-parallel shard)
+    Rank(RankArgs),
+    /// Run the coordinator, driving already-running ranks
+    Coordinator(CoordinatorArgs),
+    /// Spawn N local ranks and a coordinator
+    Serve(ServeArgs),
+    /// Stream a generation from a server
+    Generate(client::GenerateArgs),
+    /// Chat with a server's model through its chat template
+    Chat(client::ChatArgs),
+    /// Check a server's grpc.health.v1 status (exit 0 when SERVING)
+    Health(client::HealthArgs),
+    /// Serve the bundled tiny model at TP 2 and stream one generation
+    Demo,
+    /// Join a communicator and run prompts through one shard, without a coordinator (tests, benchmarks)
+    #[command(hide = true)]
+    EvalShard(eval_shard::EvalShardArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct RankArgs {
+    /// Address to serve on: unix:///path/to.sock or host:port
+    #[arg(long)]
+    pub listen: Address,
+    /// Device: cpu (cuda:N with the cuda feature)
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Compute threads (default: all cores)
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Where rank 0 opens the collective rendezvous: host:port (port 0 picks one) or unix:///path
+    #[arg(long, default_value = "0.0.0.0:0")]
+    pub rendezvous: String,
+    /// Host the other ranks use to reach this rank's rendezvous (default: this host's name)
+    #[arg(long)]
+    pub advertise_host: Option<String>,
+    /// Seconds a collective waits for a peer before declaring it hung
+    #[arg(long, default_value_t = 60)]
+    pub collective_timeout_secs: u64,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct CoordinatorArgs {
+    /// A rank address, in rank order (repeat for each rank)
+    #[arg(long = "rank", required = true)]
+    pub ranks: Vec<Address>,
+    /// Model directory (config.json, tokenizer.json, safetensors), as seen by the ranks too
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Id clients use for the model (default: the directory name)
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// Address to serve the public API on
+    #[arg(long)]
+    pub listen: Address,
+    /// Weight dtype: auto, checkpoint, f32, bf16, f16
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    #[command(flatten)]
+    pub scheduler: SchedulerArgs,
+    /// Seconds to wait for the ranks to appear
+    #[arg(long, default_value_t = 300)]
+    pub rank_wait_secs: u64,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct SchedulerArgs {
+    /// Most sequences in one step
+    #[arg(long, default_value_t = 64)]
+    pub max_batch_size: usize,
+    /// Most tokens in one step (decodes plus prefill chunks)
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Prefill chunk size in tokens
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+}
+
+impl SchedulerArgs {
+    fn config(&self) -> Result<SchedulerConfig> {
+        if self.max_batch_size == 0 || self.max_batch_tokens == 0 || self.prefill_chunk == 0 {
+            bail!("--max-batch-size, --max-batch-tokens and --prefill-chunk must be positive");
+        }
+        Ok(SchedulerConfig {
+            max_batch_sequences: self.max_batch_size,
+            max_batch_tokens: self.max_batch_tokens,
+            prefill_chunk: self.prefill_chunk,
+            ..SchedulerConfig::default()
+        })
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Model directory
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Tensor-parallel size: number of local rank processes
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Address to serve the public API on
+    #[arg(long)]
+    pub listen: Address,
+    /// Weight dtype: auto, checkpoint, f32, bf16, f16
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// Compute threads per rank (default: cores / tp)
+    #[arg(long)]
+    pub threads: Option<usize>,
+    #[command(flatten)]
+    pub scheduler: SchedulerArgs,
+}
+
+impl CoordinatorArgs {
+    pub fn options(&self) -> Result<CoordinatorOptions> {
+        Ok(CoordinatorOptions {
+            ranks: self.ranks.clone(),
+            model: self.model.clone(),
+            model_id: self.model_id.clone(),
+            dtype: self.dtype.clone(),
+            listen: self.listen.clone(),
+            scheduler: self.scheduler.config()?,
+            rank_patience: Duration::from_secs(self.rank_wait_secs),
+            init_timeout: Duration::from_secs(120),
+        })
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn termination_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}
+
+/// Logs to stderr, as text or JSON, filtered by RUST_LOG (default info).
+pub fn init_logging(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if format == "json" { builder.json().try_init() } else { builder.try_init() };
+}
+
+/// The cores this process may use.
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// Runs a parsed command line and returns the process exit code.
+pub async fn run(cli: Cli) -> Result<std::process::ExitCode> {
+    use std::process::ExitCode;
+    match cli.command {
+        Command::Rank(args) => {
+            init_logging(&cli.log_format);
+            serve::run_rank(args).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Coordinator(args) => {
+            init_logging(&cli.log_format);
+            crate::coordinator::run(args.options()?).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Serve(args) => {
+            init_logging(&cli.log_format);
+            serve::run_serve(args).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Generate(args) => client::generate(args).await,
+        Command::Chat(args) => client::chat(args).await,
+        Command::Health(args) => client::health(args).await,
+        Command::Demo => demo::run().await,
+        Command::EvalShard(args) => {
+            init_logging(&cli.log_format);
+            eval_shard::run(args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! `tpserve rank`, `tpserve serve`, and the local cluster they share with `tpserve demo`.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use candle_core::Device;
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+
+use super::{RankArgs, SchedulerArgs, ServeArgs, available_cores};
+use crate::coordinator::{self, CoordinatorOptions};
+use crate::net::Address;
+use crate::rank::server::{RankOptions, run as run_rank_server};
+
+pub async fn run_rank(args: RankArgs) -> Result<()> {
+    let (device, device_name) = parse_device(&args.device)?;
+    let threads = args.threads.unwrap_or_else(available_cores);
+    let advertise_host = args.advertise_host.clone().or_else(local_hostname);
+    run_rank_server(RankOptions {
+        listen: args.listen,
+        device,
+        device_name,
+        threads,
+        rendezvous_bind: args.rendezvous,
+        advertise_host,
+        init_timeout: Duration::from_secs(120),
+        collective_timeout: Duration::from_secs(args.collective_timeout_secs),
+    })
+    .await
+}
+
+fn parse_device(text: &str) -> Result<(Device, String)> {
+    match text {
+        "cpu" => Ok((Device::Cpu, "cpu".to_owned())),
+        other if other.starts_with("cuda") => {
+            bail!("device \"{other}\" needs a build with the cuda feature (cargo build --features cuda)")
+        }
+        other => bail!("unknown device \"{other}\" (expected cpu or cuda:N)"),
+    }
+}
+
+fn local_hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty())
+}
+
+pub async fn run_serve(args: ServeArgs) -> Result<()> {
+    let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, args.threads, &args.scheduler, args.listen.clone()).await?;
+    super::termination_signal().await;
+    tracing::info!("stopping");
+    cluster.shutdown().await
+}
+
+/// N rank processes spawned from this binary plus an in-process coordinator. Ranks that die
+/// are restarted (the coordinator then recovers the group); when this process dies, the
+/// kernel takes the ranks with it (PR_SET_PDEATHSIG), so no orphans are left.
+pub struct LocalCluster {
+    pub listen: Address,
+    coordinator: JoinHandle<Result<()>>,
+    stop_coordinator: Arc<tokio::sync::Notify>,
+    supervisors: Vec<JoinHandle<()>>,
+    stopping: Arc<AtomicBool>,
+    _socket_dir: tempfile::TempDir,
+}
+
+impl LocalCluster {
+    pub async fn start(
+        model: &Path,
+        tp: usize,
+        dtype: &str,
+        threads: Option<usize>,
+        scheduler: &SchedulerArgs,
+        listen: Address,
+    ) -> Result<Self> {
+        if tp == 0 {
+            bail!("--tp must be at least 1");
+        }
+        let socket_dir = tempfile::Builder::new().prefix("tpserve-").tempdir().context("cannot create a socket directory")?;
+        let threads = threads.unwrap_or_else(|| (available_cores() / tp).max(1));
+        let exe = std::env::current_exe().context("cannot find the tpserve executable")?;
+        let stopping = Arc::new(AtomicBool::new(false));
+        let mut ranks = Vec::with_capacity(tp);
+        let mut supervisors = Vec::with_capacity(tp);
+        for rank in 0..tp {
+            let address = Address::Unix(socket_dir.path().join(format!("rank-{rank}.sock")));
+            let args = vec![
+                "rank".to_owned(),
+                "--listen".to_owned(),
+                address.to_string(),
+                "--threads".to_owned(),
+                threads.to_string(),
+                "--rendezvous".to_owned(),
+                format!("unix://{}", socket_dir.path().join(format!("comm-{rank}.sock")).display()),
+            ];
+            supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, rank, stopping.clone())));
+            ranks.push(address);
+        }
+        let options = CoordinatorOptions {
+            ranks,
+            model: absolute(model)?,
+            model_id: None,
+            dtype: dtype.to_owned(),
+            listen: listen.clone(),
+            scheduler: scheduler.config()?,
+            rank_patience: Duration::from_secs(120),
+            init_timeout: Duration::from_secs(120),
+        };
+        let stop_coordinator = Arc::new(tokio::sync::Notify::new());
+        let stop = stop_coordinator.clone();
+        let coordinator = tokio::spawn(async move {
+            coordinator::run_until(options, async move { stop.notified().await }).await
+        });
+        Ok(Self { listen, coordinator, stop_coordinator, supervisors, stopping, _socket_dir: socket_dir })
+    }
+
+    /// Stops the coordinator (which shuts the ranks down), then makes sure every rank exited.
+    pub async fn shutdown(self) -> Result<()> {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.stop_coordinator.notify_one();
+        let result = match tokio::time::timeout(Duration::from_secs(30), self.coordinator).await {
+            Ok(joined) => joined.context("coordinator task panicked")?,
+            Err(_) => Err(anyhow::anyhow!("the coordinator did not stop within 30 s")),
+        };
+        for supervisor in self.supervisors {
+            let _ = supervisor.await;
+        }
+        result
+    }
+
+    /// True once the coordinator task has ended (normally only after shutdown).
+    pub fn coordinator_finished(&self) -> bool {
+        self.coordinator.is_finished()
+    }
+}
+
+fn absolute(path: &Path) -> Result<PathBuf> {
+    std::path::absolute(path).with_context(|| format!("invalid model path {}", path.display()))
+}
+
+/// Runs one rank process, restarting it if it dies before shutdown.
+async fn supervise_rank(exe: PathBuf, args: Vec<String>, rank: usize, stopping: Arc<AtomicBool>) {
+    let mut restarts = 0u32;
+    loop {
+        let mut child = match spawn_rank(&exe, &args) {
+            Ok(child) => child,
+            Err(err) => {
+                tracing::error!(rank, error = %format!("{err:#}"), "cannot start rank process");
+                return;
+            }
+        };
+        let status = wait_or_stop(&mut child, &stopping).await;
+        if stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        restarts += 1;
+        tracing::warn!(rank, ?status, restarts, "rank process exited; restarting it");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Waits for the child; once stopping is set, gives it a grace period, then kills it.
+async fn wait_or_stop(child: &mut Child, stopping: &AtomicBool) -> Option<std::process::ExitStatus> {
+    loop {
+        tokio::select! {
+            status = child.wait() => return status.ok(),
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                if stopping.load(Ordering::SeqCst) {
+                    // The coordinator's Shutdown RPC normally ends the rank; SIGTERM, then
+                    // SIGKILL, cover a rank that never got it.
+                    if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(3), child.wait()).await {
+                        return Some(status);
+                    }
+                    if let Some(pid) = child.id() {
+                        // SAFETY: plain kill(2) on our own child's pid.
+                        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+                    }
+                    if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(5), child.wait()).await {
+                        return Some(status);
+                    }
+                    let _ = child.kill().await;
+                    return child.wait().await.ok();
+                }
+            }
+        }
+    }
+}
+
+fn spawn_rank(exe: &Path, args: &[String]) -> Result<Child> {
+    let mut command = Command::new(exe);
+    command.args(args).stdin(Stdio::null()).kill_on_drop(true);
+    // SAFETY: prctl is async-signal-safe; it asks the kernel to SIGTERM the child when this
+    // process dies, however it dies.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    command.spawn().with_context(|| format!("cannot spawn {}", exe.display()))
+}

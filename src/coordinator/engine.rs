@@ -1,0 +1,335 @@
+//! The step loop of one served model: continuous batching over the ranks.
+//!
+//! Each iteration admits waiting requests, builds one GenerateStep from every running
+//! sequence (a decode token, or the next prefill chunk), fans it out to all ranks, and routes
+//! rank 0's sampled tokens back to the clients. Detokenization and stop conditions run here, so
+//! a sequence stops the step after it finishes, and its caches are freed on every rank.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::detokenizer::IncrementalDecoder;
+use super::stop::StopMatcher;
+use super::{ModelHandle, Supervisor};
+use crate::proto::rank::v1 as rank_pb;
+use crate::proto::v1 as pb;
+
+pub type ResponseSender = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
+
+/// A validated request, ready to run.
+pub struct NewRequest {
+    pub prompt_ids: Vec<u32>,
+    pub sampling: rank_pb::SamplingParams,
+    /// already clamped so that prompt + max_tokens fits the context
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub responses: ResponseSender,
+}
+
+/// Limits of one step.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub max_batch_sequences: usize,
+    pub max_batch_tokens: usize,
+    pub prefill_chunk: usize,
+    /// step deadline: base plus a per-token allowance, so a long prefill is not mistaken for a hang
+    pub step_timeout_base: Duration,
+    pub step_timeout_per_token: Duration,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_sequences: 64,
+            max_batch_tokens: 2048,
+            prefill_chunk: 512,
+            step_timeout_base: Duration::from_secs(30),
+            step_timeout_per_token: Duration::from_millis(50),
+        }
+    }
+}
+
+/// Counters ModelInfo reports.
+#[derive(Debug, Default)]
+pub struct ModelStats {
+    pub requests_total: AtomicU64,
+    pub requests_cancelled_total: AtomicU64,
+    pub sequences_freed_total: AtomicU64,
+    pub active_sequences: AtomicU64,
+    pub kv_cached_tokens: AtomicU64,
+}
+
+struct Sequence {
+    seq_id: u64,
+    /// prompt followed by generated tokens
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// tokens[..processed] are in the ranks' caches
+    processed: usize,
+    max_tokens: usize,
+    ignore_eos: bool,
+    sampling: rank_pb::SamplingParams,
+    decoder: IncrementalDecoder,
+    stop: StopMatcher,
+    responses: ResponseSender,
+}
+
+impl Sequence {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+enum Finish {
+    Running,
+    Done,
+    /// the client has gone away
+    Cancelled,
+}
+
+pub struct Engine {
+    model: Arc<ModelHandle>,
+    supervisor: Arc<Supervisor>,
+    config: SchedulerConfig,
+    requests: mpsc::Receiver<NewRequest>,
+    waiting: VecDeque<NewRequest>,
+    running: Vec<Sequence>,
+    next_seq_id: u64,
+    step: u64,
+}
+
+impl Engine {
+    pub fn new(model: Arc<ModelHandle>, supervisor: Arc<Supervisor>, config: SchedulerConfig, requests: mpsc::Receiver<NewRequest>) -> Self {
+        Self { model, supervisor, config, requests, waiting: VecDeque::new(), running: Vec::new(), next_seq_id: 1, step: 0 }
+    }
+
+    /// Runs until the model is unloaded (its request queue closes) and no work is left.
+    pub async fn run(mut self) {
+        loop {
+            if self.running.is_empty() && self.waiting.is_empty() {
+                match self.requests.recv().await {
+                    Some(request) => self.waiting.push_back(request),
+                    None => return,
+                }
+            }
+            while let Ok(request) = self.requests.try_recv() {
+                self.waiting.push_back(request);
+            }
+            self.admit();
+            self.drop_cancelled().await;
+            if self.running.is_empty() {
+                continue;
+            }
+            if let Err(failure) = self.run_step().await {
+                self.fail_all(failure).await;
+            }
+        }
+    }
+
+    fn admit(&mut self) {
+        while self.running.len() < self.config.max_batch_sequences {
+            let Some(request) = self.waiting.pop_front() else { break };
+            if request.responses.is_closed() {
+                self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let seq_id = self.next_seq_id;
+            self.next_seq_id += 1;
+            let mut sampling = request.sampling;
+            if request.ignore_eos {
+                sampling.suppressed_token_ids = self.model.eos_token_ids.clone();
+            }
+            self.running.push(Sequence {
+                seq_id,
+                prompt_len: request.prompt_ids.len(),
+                decoder: IncrementalDecoder::new(self.model.tokenizer.clone(), &request.prompt_ids),
+                tokens: request.prompt_ids,
+                processed: 0,
+                max_tokens: request.max_tokens,
+                ignore_eos: request.ignore_eos,
+                sampling,
+                stop: StopMatcher::new(request.stop),
+                responses: request.responses,
+            });
+        }
+        self.model.stats.active_sequences.store(self.running.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Frees the sequences whose clients went away before the next step spends work on them.
+    async fn drop_cancelled(&mut self) {
+        let (cancelled, running): (Vec<Sequence>, Vec<Sequence>) =
+            std::mem::take(&mut self.running).into_iter().partition(|s| s.responses.is_closed());
+        self.running = running;
+        if !cancelled.is_empty() {
+            self.model.stats.requests_cancelled_total.fetch_add(cancelled.len() as u64, Ordering::Relaxed);
+            tracing::info!(count = cancelled.len(), "clients went away; freeing their sequences");
+            self.free(cancelled.iter().map(|s| s.seq_id).collect()).await;
+        }
+    }
+
+    /// Builds the next step: decodes first (they are cheap and latency-critical), then prefill
+    /// chunks within the token budget.
+    fn plan_step(&self) -> Vec<rank_pb::SequenceStep> {
+        let mut budget = self.config.max_batch_tokens;
+        let mut steps = Vec::with_capacity(self.running.len());
+        let decoding = self.running.iter().filter(|s| s.processed >= s.prompt_len);
+        let prefilling = self.running.iter().filter(|s| s.processed < s.prompt_len);
+        for seq in decoding.chain(prefilling) {
+            let pending = seq.tokens.len() - seq.processed;
+            let take = pending.min(self.config.prefill_chunk).min(budget);
+            if take == 0 {
+                continue;
+            }
+            budget -= take;
+            steps.push(rank_pb::SequenceStep {
+                seq_id: seq.seq_id,
+                token_ids: seq.tokens[seq.processed..seq.processed + take].to_vec(),
+                start_pos: seq.processed as u32,
+                prompt_len: seq.prompt_len as u32,
+                sample: seq.processed + take == seq.tokens.len(),
+                sampling: Some(seq.sampling.clone()),
+            });
+        }
+        steps
+    }
+
+    async fn run_step(&mut self) -> Result<(), String> {
+        let sequences = self.plan_step();
+        let tokens: usize = sequences.iter().map(|s| s.token_ids.len()).sum();
+        self.step += 1;
+        let request = rank_pb::GenerateStepRequest {
+            model_id: self.model.id.clone(),
+            step: self.step,
+            epoch: self.supervisor.epoch(),
+            sequences: sequences.clone(),
+        };
+        let deadline = self.config.step_timeout_base + self.config.step_timeout_per_token * tokens as u32;
+        let started = Instant::now();
+        let response = self.supervisor.step(request, deadline).await.map_err(|f| f.to_string())?;
+        tracing::trace!(step = self.step, tokens, elapsed = ?started.elapsed(), compute_us = response.compute_micros, "step");
+        for planned in &sequences {
+            if let Some(seq) = self.running.iter_mut().find(|s| s.seq_id == planned.seq_id) {
+                seq.processed += planned.token_ids.len();
+            }
+        }
+        let mut finished = Vec::new();
+        for sampled in response.tokens {
+            let Some(index) = self.running.iter().position(|s| s.seq_id == sampled.seq_id) else { continue };
+            let outcome = self.accept_token(index, &sampled).await;
+            if !matches!(outcome, Finish::Running) {
+                if matches!(outcome, Finish::Cancelled) {
+                    self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
+                }
+                finished.push(self.running.swap_remove(index).seq_id);
+            }
+        }
+        let cached: usize = self.running.iter().map(|s| s.processed).sum();
+        self.model.stats.kv_cached_tokens.store(cached as u64, Ordering::Relaxed);
+        if !finished.is_empty() {
+            self.free(finished).await;
+        }
+        self.model.stats.active_sequences.store(self.running.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Appends a sampled token, streams its text, and decides whether the sequence is done.
+    async fn accept_token(&mut self, index: usize, sampled: &rank_pb::SampledToken) -> Finish {
+        let max_context = self.model.max_context;
+        let eos = &self.model.eos_token_ids;
+        let seq = &mut self.running[index];
+        seq.tokens.push(sampled.token_id);
+        if !seq.ignore_eos && eos.contains(&sampled.token_id) {
+            return finish(seq, pb::FinishReason::Eos).await;
+        }
+        let delta = match seq.decoder.push(sampled.token_id) {
+            Ok(delta) => delta,
+            Err(err) => {
+                let _ = seq.responses.send(Err(Status::internal(format!("detokenization failed: {err:#}")))).await;
+                return Finish::Cancelled;
+            }
+        };
+        let outcome = seq.stop.push(&delta);
+        let message = pb::GenerateResponse {
+            token_id: Some(sampled.token_id),
+            text: outcome.emit,
+            logprob: seq.sampling.logprobs.then_some(sampled.logprob),
+            top_logprobs: sampled
+                .top_logprobs
+                .iter()
+                .map(|t| pb::TokenLogprob { token_id: t.token_id, logprob: t.logprob })
+                .collect(),
+            finish_reason: pb::FinishReason::Unspecified as i32,
+            usage: None,
+        };
+        if seq.responses.send(Ok(message)).await.is_err() {
+            return Finish::Cancelled;
+        }
+        if outcome.stopped {
+            return finish(seq, pb::FinishReason::StopSequence).await;
+        }
+        if seq.generated() >= seq.max_tokens {
+            return finish(seq, pb::FinishReason::Length).await;
+        }
+        if seq.tokens.len() >= max_context {
+            return finish(seq, pb::FinishReason::ContextLength).await;
+        }
+        Finish::Running
+    }
+
+    async fn free(&self, seq_ids: Vec<u64>) {
+        let count = seq_ids.len() as u64;
+        let request = rank_pb::ClearKvRequest { model_id: self.model.id.clone(), seq_ids, all: false };
+        match self.supervisor.clear_kv(request).await {
+            Ok(_) => {
+                self.model.stats.sequences_freed_total.fetch_add(count, Ordering::Relaxed);
+            }
+            Err(failure) => tracing::warn!(%failure, "could not free sequences; they are dropped with the next epoch"),
+        }
+    }
+
+    /// A rank failed mid-step: every running request ends with UNAVAILABLE and the supervisor
+    /// restores the group.
+    async fn fail_all(&mut self, failure: String) {
+        tracing::error!(%failure, "step failed; failing running requests and recovering the ranks");
+        let status = Status::unavailable(format!(
+            "a rank failed while generating ({failure}); the server is recovering, retry shortly"
+        ));
+        for seq in self.running.drain(..) {
+            let _ = seq.responses.send(Err(status.clone())).await;
+        }
+        self.model.stats.active_sequences.store(0, Ordering::Relaxed);
+        self.model.stats.kv_cached_tokens.store(0, Ordering::Relaxed);
+        self.supervisor.recover(&failure).await;
+    }
+}
+
+/// Sends the last message: whatever text was held back, the finish reason and usage.
+async fn finish(seq: &mut Sequence, reason: pb::FinishReason) -> Finish {
+    let tail = seq.decoder.finish();
+    let mut text = String::new();
+    if !seq.stop.is_stopped() {
+        let outcome = seq.stop.push(&tail);
+        text.push_str(&outcome.emit);
+        if !outcome.stopped {
+            text.push_str(&seq.stop.finish());
+        }
+    }
+    let message = pb::GenerateResponse {
+        token_id: None,
+        text,
+        logprob: None,
+        top_logprobs: Vec::new(),
+        finish_reason: reason as i32,
+        usage: Some(pb::Usage { prompt_tokens: seq.prompt_len as u32, completion_tokens: seq.generated() as u32 }),
+    };
+    match seq.responses.send(Ok(message)).await {
+        Ok(()) => Finish::Done,
+        Err(_) => Finish::Cancelled,
+    }
+}

@@ -1,0 +1,319 @@
+//! The coordinator: owns no device. It tokenizes, schedules, streams tokens to clients and
+//! drives the ranks (see docs/architecture.md).
+
+pub mod chat_template;
+pub mod detokenizer;
+pub mod engine;
+pub mod ranks;
+pub mod service;
+pub mod stop;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tokenizers::Tokenizer;
+use tokio::sync::{Mutex, RwLock, mpsc};
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::model::config::{ModelConfig, generation_eos_ids};
+use crate::net::{Address, Listener};
+use crate::proto::rank::v1 as rank_pb;
+use crate::proto::v1 as pb;
+use chat_template::ChatTemplate;
+use engine::{Engine, ModelStats, NewRequest, SchedulerConfig};
+use ranks::{RankFailure, RankSet};
+
+/// Health service names the coordinator reports (grpc.health.v1). "" is the whole server.
+pub const HEALTH_SERVICES: [&str; 3] = ["", "tpserve.v1.Generator", "tpserve.v1.Admin"];
+
+pub struct CoordinatorOptions {
+    pub ranks: Vec<Address>,
+    pub model: PathBuf,
+    pub model_id: Option<String>,
+    pub dtype: String,
+    pub listen: Address,
+    pub scheduler: SchedulerConfig,
+    /// how long to wait for ranks to appear at start
+    pub rank_patience: Duration,
+    pub init_timeout: Duration,
+}
+
+/// A model being served: what the coordinator needs to tokenize, validate and stop, plus the
+/// queue into its step loop.
+pub struct ModelHandle {
+    pub id: String,
+    pub path: PathBuf,
+    pub dtype: String,
+    pub config: ModelConfig,
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+    pub eos_token_ids: Vec<u32>,
+    pub max_context: usize,
+    pub stats: Arc<ModelStats>,
+    pub submit: mpsc::Sender<NewRequest>,
+}
+
+impl ModelHandle {
+    pub fn info(&self, tp_size: usize) -> pb::ModelInfoResponse {
+        let stats = &self.stats;
+        pb::ModelInfoResponse {
+            model_id: self.id.clone(),
+            model_type: self.config.model_type.clone(),
+            vocab_size: self.config.vocab_size as u32,
+            max_context: self.max_context as u32,
+            tp_size: tp_size as u32,
+            dtype: self.dtype.clone(),
+            eos_token_ids: self.eos_token_ids.clone(),
+            active_sequences: stats.active_sequences.load(Ordering::Relaxed) as u32,
+            kv_cached_tokens: stats.kv_cached_tokens.load(Ordering::Relaxed),
+            requests_cancelled_total: stats.requests_cancelled_total.load(Ordering::Relaxed),
+            sequences_freed_total: stats.sequences_freed_total.load(Ordering::Relaxed),
+            requests_total: stats.requests_total.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Owns the rank group: the communicator epoch, the step lock, health, and recovery.
+pub struct Supervisor {
+    ranks: RankSet,
+    epoch: AtomicU64,
+    /// Steps of different models must not interleave: every rank has to run the collectives of
+    /// one step before the next.
+    step_lock: Mutex<()>,
+    recovering: Mutex<()>,
+    serving: AtomicBool,
+    health: HealthReporter,
+    init_timeout: Duration,
+    /// (model id, path, dtype) of every loaded model, to reload after recovery
+    loaded: Mutex<Vec<(String, String, String)>>,
+}
+
+impl Supervisor {
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    pub fn is_serving(&self) -> bool {
+        self.serving.load(Ordering::SeqCst)
+    }
+
+    pub fn tp_size(&self) -> usize {
+        self.ranks.world_size()
+    }
+
+    async fn set_serving(&self, serving: bool) {
+        self.serving.store(serving, Ordering::SeqCst);
+        let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+        for service in HEALTH_SERVICES {
+            self.health.set_service_status(service, status).await;
+        }
+    }
+
+    pub async fn step(&self, request: rank_pb::GenerateStepRequest, deadline: Duration) -> Result<rank_pb::GenerateStepResponse, RankFailure> {
+        let _guard = self.step_lock.lock().await;
+        self.ranks.step(request, deadline).await
+    }
+
+    pub async fn clear_kv(&self, request: rank_pb::ClearKvRequest) -> Result<rank_pb::ClearKvResponse, RankFailure> {
+        self.ranks.clear_kv(request).await
+    }
+
+    async fn bootstrap(&self) -> Result<()> {
+        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        self.ranks.info().await?;
+        self.ranks.bootstrap(epoch, self.init_timeout).await
+    }
+
+    async fn load(&self, model_id: &str, path: &str, dtype: &str) -> Result<rank_pb::ShardInfo> {
+        let _guard = self.step_lock.lock().await;
+        let info = self.ranks.load(model_id, path, dtype, self.epoch()).await?;
+        let mut loaded = self.loaded.lock().await;
+        loaded.retain(|(id, _, _)| id != model_id);
+        loaded.push((model_id.to_owned(), path.to_owned(), dtype.to_owned()));
+        Ok(info)
+    }
+
+    /// Marks the server NOT_SERVING and rebuilds the group: waits for every rank to answer,
+    /// bootstraps a new communicator epoch and reloads every model. Retries with backoff.
+    pub async fn recover(&self, reason: &str) {
+        let _guard = self.recovering.lock().await;
+        self.set_serving(false).await;
+        let mut delay = Duration::from_millis(200);
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            match self.try_recover().await {
+                Ok(()) => {
+                    tracing::info!(epoch = self.epoch(), attempt, "ranks recovered");
+                    self.set_serving(true).await;
+                    return;
+                }
+                Err(err) => {
+                    tracing::warn!(attempt, %reason, error = %format!("{err:#}"), "recovery attempt failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    async fn try_recover(&self) -> Result<()> {
+        self.bootstrap().await?;
+        let models = self.loaded.lock().await.clone();
+        for (id, path, dtype) in models {
+            let _guard = self.step_lock.lock().await;
+            self.ranks.load(&id, &path, &dtype, self.epoch()).await?;
+        }
+        Ok(())
+    }
+}
+
+/// The coordinator's shared state, used by the gRPC services.
+pub struct Coordinator {
+    pub supervisor: Arc<Supervisor>,
+    pub models: RwLock<HashMap<String, Arc<ModelHandle>>>,
+    pub default_model: RwLock<Option<String>>,
+    pub scheduler: SchedulerConfig,
+}
+
+impl Coordinator {
+    /// Finds a model by id; "" means the default model.
+    pub async fn model(&self, id: &str) -> Option<Arc<ModelHandle>> {
+        let id = if id.is_empty() { self.default_model.read().await.clone()? } else { id.to_owned() };
+        self.models.read().await.get(&id).cloned()
+    }
+
+    /// Loads a model on every rank and starts its step loop.
+    pub async fn load_model(&self, id: &str, path: &Path, dtype: &str) -> Result<Arc<ModelHandle>> {
+        let local = LocalModelFiles::read(path)?;
+        let path_text = path.to_str().context("model path is not valid UTF-8")?;
+        let info = self.supervisor.load(id, path_text, dtype).await?;
+        let (submit, requests) = mpsc::channel(1024);
+        let handle = Arc::new(ModelHandle {
+            id: id.to_owned(),
+            path: path.to_owned(),
+            dtype: info.dtype.clone(),
+            max_context: local.config.max_position_embeddings,
+            config: local.config,
+            tokenizer: local.tokenizer,
+            chat_template: local.chat_template,
+            eos_token_ids: local.eos_token_ids,
+            stats: Arc::new(ModelStats::default()),
+            submit,
+        });
+        let engine = Engine::new(handle.clone(), self.supervisor.clone(), self.scheduler.clone(), requests);
+        tokio::spawn(engine.run());
+        self.models.write().await.insert(id.to_owned(), handle.clone());
+        let mut default = self.default_model.write().await;
+        if default.is_none() {
+            *default = Some(id.to_owned());
+        }
+        tracing::info!(model = id, path = %path.display(), dtype = %info.dtype, "model ready");
+        Ok(handle)
+    }
+
+    pub async fn unload_model(&self, id: &str) -> Result<bool> {
+        let removed = self.models.write().await.remove(id);
+        if removed.is_none() {
+            return Ok(false);
+        }
+        self.supervisor.loaded.lock().await.retain(|(model, _, _)| model != id);
+        let mut default = self.default_model.write().await;
+        if default.as_deref() == Some(id) {
+            *default = self.models.read().await.keys().next().cloned();
+        }
+        self.supervisor.ranks.unload(id).await.map_err(|f| anyhow::anyhow!("{f}"))?;
+        Ok(true)
+    }
+}
+
+/// What the coordinator reads from a model directory itself (it never reads the weights).
+struct LocalModelFiles {
+    config: ModelConfig,
+    tokenizer: Arc<Tokenizer>,
+    chat_template: Option<ChatTemplate>,
+    eos_token_ids: Vec<u32>,
+}
+
+impl LocalModelFiles {
+    fn read(dir: &Path) -> Result<Self> {
+        let config = ModelConfig::from_model_dir(dir)?;
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = Tokenizer::from_file(&tokenizer_path)
+            .map_err(|err| anyhow::anyhow!("cannot load {}: {err}", tokenizer_path.display()))?;
+        let chat_template = ChatTemplate::from_model_dir(dir)?;
+        let eos_token_ids = generation_eos_ids(dir)?.unwrap_or_else(|| config.eos_token_ids.clone());
+        Ok(Self { config, tokenizer: Arc::new(tokenizer), chat_template, eos_token_ids })
+    }
+}
+
+/// Runs a coordinator until SIGINT/SIGTERM.
+pub async fn run(options: CoordinatorOptions) -> Result<()> {
+    run_until(options, crate::cli::termination_signal()).await
+}
+
+/// Runs a coordinator until `stop` resolves, then shuts its ranks down.
+pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Future<Output = ()> + Send + 'static) -> Result<()> {
+    let stop = futures::FutureExt::shared(Box::pin(stop));
+    let (health, health_service) = tonic_health::server::health_reporter();
+    for service in HEALTH_SERVICES {
+        health.set_service_status(service, ServingStatus::NotServing).await;
+    }
+    // Serve health and reflection right away: probes must get NOT_SERVING, not a refused
+    // connection, while the ranks come up.
+    let listener = Listener::bind(&options.listen).await?;
+    tracing::info!(listen = %listener.local_address()?, ranks = options.ranks.len(), "coordinator listening");
+
+    let (coordinator_sender, coordinator_receiver) = tokio::sync::watch::channel::<Option<Arc<Coordinator>>>(None);
+    let router = service::router(health_service, coordinator_receiver)?;
+    let server = tokio::spawn(listener.serve(router, stop.clone()));
+
+    let startup = async {
+        let ranks = RankSet::connect(&options.ranks, options.rank_patience).await?;
+        let supervisor = Arc::new(Supervisor {
+            ranks,
+            epoch: AtomicU64::new(0),
+            step_lock: Mutex::new(()),
+            recovering: Mutex::new(()),
+            serving: AtomicBool::new(false),
+            health,
+            init_timeout: options.init_timeout,
+            loaded: Mutex::new(Vec::new()),
+        });
+        supervisor.bootstrap().await?;
+        let coordinator = Arc::new(Coordinator {
+            supervisor: supervisor.clone(),
+            models: RwLock::new(HashMap::new()),
+            default_model: RwLock::new(None),
+            scheduler: options.scheduler.clone(),
+        });
+        let model_id = options.model_id.clone().unwrap_or_else(|| default_model_id(&options.model));
+        coordinator.load_model(&model_id, &options.model, &options.dtype).await?;
+        supervisor.set_serving(true).await;
+        anyhow::Ok(coordinator)
+    };
+    let coordinator = tokio::select! {
+        result = startup => result?,
+        _ = stop.clone() => {
+            tracing::info!("stopped during startup");
+            server.abort();
+            return Ok(());
+        }
+    };
+    let _ = coordinator_sender.send(Some(coordinator.clone()));
+    tracing::info!("coordinator serving");
+    server.await.context("server task panicked")??;
+    tracing::info!("shutting down the ranks");
+    coordinator.supervisor.ranks.shutdown().await;
+    Ok(())
+}
+
+/// A model's id when none is given: its directory name.
+pub fn default_model_id(path: &Path) -> String {
+    path.file_name().and_then(|n| n.to_str()).unwrap_or("default").to_owned()
+}

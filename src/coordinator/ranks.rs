@@ -1,0 +1,232 @@
+//! The coordinator's view of its ranks: connecting (patiently, since sidecars start in any
+//! order), the communicator bootstrap, and fanning every call out to all ranks at once.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use futures::future::try_join_all;
+use tonic::transport::Channel;
+
+use crate::net::{self, Address};
+use crate::proto::RANK_PROTOCOL_VERSION;
+use crate::proto::rank::v1 as pb;
+use crate::proto::rank::v1::rank_client::RankClient;
+
+/// Messages can carry a long prompt's tokens; allow more than tonic's 4 MiB default.
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+#[derive(Clone)]
+pub struct RankSet {
+    addresses: Vec<Address>,
+    clients: Vec<RankClient<Channel>>,
+}
+
+impl RankSet {
+    /// Connects to every rank, retrying with exponential backoff until `patience` runs out,
+    /// then checks each speaks our protocol version.
+    pub async fn connect(addresses: &[Address], patience: Duration) -> Result<Self> {
+        let clients = try_join_all(addresses.iter().map(|a| connect_one(a, patience))).await?;
+        let set = Self { addresses: addresses.to_vec(), clients };
+        let infos = set.info().await?;
+        for (address, info) in addresses.iter().zip(&infos) {
+            tracing::info!(rank_address = %address, device = %info.device, backend = %info.backend,
+                version = %info.server_version, "rank connected");
+        }
+        Ok(set)
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.clients.len()
+    }
+
+    pub fn addresses(&self) -> &[Address] {
+        &self.addresses
+    }
+
+    pub async fn info(&self) -> Result<Vec<pb::InfoResponse>> {
+        let calls = self.clients.iter().zip(&self.addresses).map(|(client, address)| {
+            let mut client = client.clone();
+            async move {
+                let request = pb::InfoRequest { protocol_version: RANK_PROTOCOL_VERSION };
+                let info = client
+                    .info(request)
+                    .await
+                    .map_err(|status| anyhow::anyhow!("rank at {address}: {}", status.message()))?
+                    .into_inner();
+                if info.protocol_version != RANK_PROTOCOL_VERSION {
+                    bail!(
+                        "rank at {address} speaks rank protocol {} but this coordinator speaks {RANK_PROTOCOL_VERSION}",
+                        info.protocol_version
+                    );
+                }
+                Ok(info)
+            }
+        });
+        try_join_all(calls).await
+    }
+
+    /// Creates a communicator for `epoch`: an id from rank 0, then Init on every rank at once
+    /// (each Init blocks until all ranks have joined).
+    pub async fn bootstrap(&self, epoch: u64, timeout: Duration) -> Result<()> {
+        let started = Instant::now();
+        let mut rank0 = self.clients[0].clone();
+        let comm_id = rank0
+            .create_comm_id(pb::CreateCommIdRequest { epoch })
+            .await
+            .map_err(|s| anyhow::anyhow!("rank 0 could not create a communicator id: {}", s.message()))?
+            .into_inner()
+            .comm_id;
+        let world_size = self.world_size() as u32;
+        let calls = self.clients.iter().enumerate().map(|(rank, client)| {
+            let mut client = client.clone();
+            let request = pb::InitRequest {
+                rank: rank as u32,
+                world_size,
+                comm_id: comm_id.clone(),
+                epoch,
+                timeout_ms: timeout.as_millis() as u32,
+            };
+            let address = &self.addresses[rank];
+            async move {
+                client
+                    .init(request)
+                    .await
+                    .map_err(|s| anyhow::anyhow!("rank {rank} at {address} failed to init: {}", s.message()))
+            }
+        });
+        try_join_all(calls).await?;
+        tracing::info!(epoch, world_size, elapsed = ?started.elapsed(), "communicator ready");
+        Ok(())
+    }
+
+    /// Loads a model on every rank, logging the slowest rank's progress.
+    pub async fn load(&self, model_id: &str, path: &str, dtype: &str, epoch: u64) -> Result<pb::ShardInfo> {
+        let calls = self.clients.iter().enumerate().map(|(rank, client)| {
+            let mut client = client.clone();
+            let request = pb::LoadShardRequest {
+                model_id: model_id.to_owned(),
+                model_path: path.to_owned(),
+                dtype: dtype.to_owned(),
+                epoch,
+            };
+            async move {
+                let mut stream = client
+                    .load_shard(request)
+                    .await
+                    .map_err(|s| anyhow::anyhow!("rank {rank}: {}", s.message()))?
+                    .into_inner();
+                let mut last_log = Instant::now();
+                while let Some(message) = stream.message().await.map_err(|s| anyhow::anyhow!("rank {rank}: {}", s.message()))? {
+                    if message.done {
+                        return message.shard.with_context(|| format!("rank {rank} finished loading without shard info"));
+                    }
+                    if rank == 0 && last_log.elapsed() > Duration::from_secs(2) {
+                        last_log = Instant::now();
+                        tracing::info!(
+                            loaded_mib = message.bytes_loaded >> 20,
+                            checkpoint_mib = message.bytes_total >> 20,
+                            tensors = message.tensors_loaded,
+                            "loading shards"
+                        );
+                    }
+                }
+                bail!("rank {rank} closed the load stream before finishing")
+            }
+        });
+        let infos = try_join_all(calls).await.with_context(|| format!("loading {path}"))?;
+        let first = infos.into_iter().next().context("no ranks")?;
+        Ok(first)
+    }
+
+    /// One step on every rank; returns rank 0's answer (the sampled tokens). Every rank's reply
+    /// is awaited, so no rank can fall a step behind.
+    pub async fn step(&self, request: pb::GenerateStepRequest, deadline: Duration) -> Result<pb::GenerateStepResponse, RankFailure> {
+        let calls = self.clients.iter().enumerate().map(|(rank, client)| {
+            let mut client = client.clone();
+            let mut request = tonic::Request::new(request.clone());
+            request.set_timeout(deadline);
+            async move {
+                match tokio::time::timeout(deadline, client.generate_step(request)).await {
+                    Ok(Ok(response)) => Ok(response.into_inner()),
+                    Ok(Err(status)) => Err(RankFailure { rank, status }),
+                    Err(_) => Err(RankFailure {
+                        rank,
+                        status: tonic::Status::deadline_exceeded(format!("no answer within {deadline:?}")),
+                    }),
+                }
+            }
+        });
+        let mut responses = try_join_all(calls).await?;
+        Ok(responses.swap_remove(0))
+    }
+
+    pub async fn clear_kv(&self, request: pb::ClearKvRequest) -> Result<pb::ClearKvResponse, RankFailure> {
+        let calls = self.clients.iter().enumerate().map(|(rank, client)| {
+            let mut client = client.clone();
+            let request = request.clone();
+            async move { client.clear_kv(request).await.map(|r| r.into_inner()).map_err(|status| RankFailure { rank, status }) }
+        });
+        let mut responses = try_join_all(calls).await?;
+        Ok(responses.swap_remove(0))
+    }
+
+    pub async fn unload(&self, model_id: &str) -> Result<(), RankFailure> {
+        let calls = self.clients.iter().enumerate().map(|(rank, client)| {
+            let mut client = client.clone();
+            let request = pb::UnloadRequest { model_id: model_id.to_owned() };
+            async move { client.unload(request).await.map(|_| ()).map_err(|status| RankFailure { rank, status }) }
+        });
+        try_join_all(calls).await?;
+        Ok(())
+    }
+
+    /// Asks every rank to exit; ranks that are already gone are ignored.
+    pub async fn shutdown(&self) {
+        let calls = self.clients.iter().map(|client| {
+            let mut client = client.clone();
+            async move {
+                let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown(pb::ShutdownRequest {})).await;
+            }
+        });
+        futures::future::join_all(calls).await;
+    }
+}
+
+/// A rank RPC that failed, and which rank it was.
+#[derive(Debug)]
+pub struct RankFailure {
+    pub rank: usize,
+    pub status: tonic::Status,
+}
+
+impl std::fmt::Display for RankFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rank {}: {:?}: {}", self.rank, self.status.code(), self.status.message())
+    }
+}
+
+impl std::error::Error for RankFailure {}
+
+async fn connect_one(address: &Address, patience: Duration) -> Result<RankClient<Channel>> {
+    let started = Instant::now();
+    let mut delay = Duration::from_millis(50);
+    let mut announced = false;
+    loop {
+        match net::connect(address, Duration::from_secs(5)).await {
+            Ok(channel) => {
+                return Ok(RankClient::new(channel)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES));
+            }
+            Err(err) if started.elapsed() < patience => {
+                if !announced || delay >= Duration::from_secs(2) {
+                    tracing::info!(rank_address = %address, error = %format!("{err:#}"), "waiting for rank");
+                    announced = true;
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(err) => return Err(err).with_context(|| format!("rank at {address} did not come up within {patience:?}")),
+        }
+    }
+}

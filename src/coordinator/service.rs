@@ -1,0 +1,263 @@
+//! The public gRPC services: Generator (generate, chat, tokenize, model info) and Admin.
+//! Every request is validated here, so bad input gets a status a person can act on and never
+//! reaches a rank.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use super::chat_template::ChatMessage;
+use super::engine::NewRequest;
+use super::{Coordinator, ModelHandle};
+use crate::proto::FILE_DESCRIPTOR_SET;
+use crate::proto::rank::v1 as rank_pb;
+use crate::proto::v1 as pb;
+use crate::proto::v1::admin_server::{Admin, AdminServer};
+use crate::proto::v1::generator_server::{Generator, GeneratorServer};
+use crate::rank::sampling::SamplingParams;
+
+type CoordinatorCell = watch::Receiver<Option<Arc<Coordinator>>>;
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+/// At most this many alternatives per token, as in OpenAI's API.
+const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// The router with health, reflection (v1 and v1alpha), Generator and Admin.
+pub fn router(
+    health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+    coordinator: CoordinatorCell,
+) -> anyhow::Result<tonic::transport::server::Router> {
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+    Ok(tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(GeneratorServer::new(GeneratorService { coordinator: coordinator.clone() }))
+        .add_service(AdminServer::new(AdminService { coordinator })))
+}
+
+fn ready(cell: &CoordinatorCell) -> Result<Arc<Coordinator>, Status> {
+    let coordinator = cell
+        .borrow()
+        .clone()
+        .ok_or_else(|| Status::unavailable("the server is starting: ranks are initialising or the model is loading"))?;
+    if !coordinator.supervisor.is_serving() {
+        return Err(Status::unavailable("the server is recovering from a rank failure; retry shortly"));
+    }
+    Ok(coordinator)
+}
+
+async fn find_model(coordinator: &Coordinator, id: &str) -> Result<Arc<ModelHandle>, Status> {
+    coordinator.model(id).await.ok_or_else(|| {
+        if id.is_empty() {
+            Status::not_found("no model is loaded")
+        } else {
+            Status::not_found(format!("model \"{id}\" is not loaded (see Admin.ListModels)"))
+        }
+    })
+}
+
+pub struct GeneratorService {
+    coordinator: CoordinatorCell,
+}
+
+#[tonic::async_trait]
+impl Generator for GeneratorService {
+    type GenerateStream = ResponseStream;
+    type ChatStream = ResponseStream;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<ResponseStream>, Status> {
+        let coordinator = ready(&self.coordinator)?;
+        let request = request.into_inner();
+        let model = find_model(&coordinator, &request.model).await?;
+        let prompt_ids = match (request.prompt.is_empty(), request.prompt_ids.is_empty()) {
+            (false, false) => return Err(Status::invalid_argument("give either prompt or prompt_ids, not both")),
+            (true, true) => return Err(Status::invalid_argument("the prompt is empty: give prompt text or prompt_ids")),
+            (false, true) => encode(&model, &request.prompt, true)?,
+            (true, false) => request.prompt_ids,
+        };
+        start(&model, prompt_ids, request.params.unwrap_or_default()).await
+    }
+
+    async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<ResponseStream>, Status> {
+        let coordinator = ready(&self.coordinator)?;
+        let request = request.into_inner();
+        let model = find_model(&coordinator, &request.model).await?;
+        if request.messages.is_empty() {
+            return Err(Status::invalid_argument("messages is empty: give at least one message"));
+        }
+        let template = model.chat_template.as_ref().ok_or_else(|| {
+            Status::failed_precondition(format!("model \"{}\" has no chat template; use Generate", model.id))
+        })?;
+        let messages: Vec<ChatMessage> =
+            request.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
+        let prompt = template
+            .render(&messages, true)
+            .map_err(|err| Status::invalid_argument(format!("cannot render the chat template: {err:#}")))?;
+        // The template already wrote any special tokens the model expects.
+        let prompt_ids = encode(&model, &prompt, false)?;
+        start(&model, prompt_ids, request.params.unwrap_or_default()).await
+    }
+
+    async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let coordinator = ready(&self.coordinator)?;
+        let request = request.into_inner();
+        let model = find_model(&coordinator, &request.model).await?;
+        let encoding = model
+            .tokenizer
+            .encode(request.text.as_str(), request.add_special_tokens)
+            .map_err(|err| Status::invalid_argument(format!("cannot tokenize: {err}")))?;
+        Ok(Response::new(pb::TokenizeResponse {
+            ids: encoding.get_ids().to_vec(),
+            tokens: encoding.get_tokens().to_vec(),
+        }))
+    }
+
+    async fn model_info(&self, request: Request<pb::ModelInfoRequest>) -> Result<Response<pb::ModelInfoResponse>, Status> {
+        let coordinator = ready(&self.coordinator)?;
+        let model = find_model(&coordinator, &request.get_ref().model).await?;
+        Ok(Response::new(model.info(coordinator.supervisor.tp_size())))
+    }
+}
+
+fn encode(model: &ModelHandle, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, Status> {
+    let encoding = model
+        .tokenizer
+        .encode(text, add_special_tokens)
+        .map_err(|err| Status::invalid_argument(format!("cannot tokenize the prompt: {err}")))?;
+    if encoding.get_ids().is_empty() {
+        return Err(Status::invalid_argument("the prompt encodes to no tokens"));
+    }
+    Ok(encoding.get_ids().to_vec())
+}
+
+/// Validates a request against the model and queues it; the stream carries its tokens.
+async fn start(model: &Arc<ModelHandle>, prompt_ids: Vec<u32>, params: pb::GenerationParams) -> Result<Response<ResponseStream>, Status> {
+    let vocab_size = model.config.vocab_size;
+    if let Some(bad) = prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
+        return Err(Status::invalid_argument(format!(
+            "prompt token id {bad} is outside the vocabulary (ids must be below {vocab_size})"
+        )));
+    }
+    let context = model.max_context;
+    if prompt_ids.len() >= context {
+        return Err(Status::out_of_range(format!(
+            "the prompt has {} tokens but the model's context is {context}: shorten it to at most {} tokens",
+            prompt_ids.len(),
+            context - 1
+        )));
+    }
+    let room = context - prompt_ids.len();
+    let max_tokens = match params.max_tokens {
+        Some(0) => return Err(Status::invalid_argument("max_tokens must be at least 1")),
+        Some(n) if n as usize > context => {
+            return Err(Status::out_of_range(format!(
+                "max_tokens {n} exceeds the model's context of {context} tokens"
+            )));
+        }
+        // Generation also stops at the context length, reported as such.
+        Some(n) => n as usize,
+        None => room,
+    };
+    let sampling = sampling_params(&params, vocab_size)?;
+    super::stop::validate(&params.stop).map_err(Status::invalid_argument)?;
+    let (responses, receiver) = mpsc::channel(256);
+    let request = NewRequest {
+        prompt_ids,
+        sampling,
+        max_tokens,
+        stop: params.stop,
+        ignore_eos: params.ignore_eos,
+        responses,
+    };
+    model.stats.requests_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    model
+        .submit
+        .send(request)
+        .await
+        .map_err(|_| Status::unavailable(format!("model \"{}\" is being unloaded", model.id)))?;
+    Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
+}
+
+/// API defaults follow OpenAI's: temperature 1, no truncation, no penalties, a random seed.
+fn sampling_params(params: &pb::GenerationParams, vocab_size: usize) -> Result<rank_pb::SamplingParams, Status> {
+    let checked = SamplingParams {
+        temperature: params.temperature.unwrap_or(1.0),
+        top_k: params.top_k.unwrap_or(0),
+        top_p: params.top_p.unwrap_or(1.0),
+        min_p: params.min_p.unwrap_or(0.0),
+        repetition_penalty: params.repetition_penalty.unwrap_or(1.0),
+        presence_penalty: params.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: params.frequency_penalty.unwrap_or(0.0),
+        seed: params.seed.unwrap_or_else(rand::random),
+        top_logprobs: params.top_logprobs,
+    };
+    checked.validate(vocab_size).map_err(Status::invalid_argument)?;
+    if params.top_logprobs > MAX_TOP_LOGPROBS {
+        return Err(Status::invalid_argument(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}")));
+    }
+    Ok(rank_pb::SamplingParams {
+        temperature: checked.temperature,
+        top_k: checked.top_k,
+        top_p: checked.top_p,
+        min_p: checked.min_p,
+        repetition_penalty: checked.repetition_penalty,
+        presence_penalty: checked.presence_penalty,
+        frequency_penalty: checked.frequency_penalty,
+        seed: checked.seed,
+        top_logprobs: checked.top_logprobs,
+        logprobs: params.logprobs || params.top_logprobs > 0,
+        suppressed_token_ids: Vec::new(),
+    })
+}
+
+pub struct AdminService {
+    coordinator: CoordinatorCell,
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn load_model(&self, request: Request<pb::LoadModelRequest>) -> Result<Response<pb::LoadModelResponse>, Status> {
+        let coordinator = ready(&self.coordinator)?;
+        let request = request.into_inner();
+        if request.model_id.is_empty() || request.path.is_empty() {
+            return Err(Status::invalid_argument("model_id and path are required"));
+        }
+        if coordinator.model(&request.model_id).await.is_some() {
+            return Err(Status::already_exists(format!("model \"{}\" is already loaded", request.model_id)));
+        }
+        let dtype = if request.dtype.is_empty() { "auto" } else { &request.dtype };
+        let handle = coordinator
+            .load_model(&request.model_id, std::path::Path::new(&request.path), dtype)
+            .await
+            .map_err(|err| Status::invalid_argument(format!("cannot load model: {err:#}")))?;
+        Ok(Response::new(pb::LoadModelResponse { model: Some(handle.info(coordinator.supervisor.tp_size())) }))
+    }
+
+    async fn unload_model(&self, request: Request<pb::UnloadModelRequest>) -> Result<Response<pb::UnloadModelResponse>, Status> {
+        let coordinator = ready(&self.coordinator)?;
+        let id = &request.get_ref().model_id;
+        match coordinator.unload_model(id).await {
+            Ok(true) => Ok(Response::new(pb::UnloadModelResponse {})),
+            Ok(false) => Err(Status::not_found(format!("model \"{id}\" is not loaded"))),
+            Err(err) => Err(Status::unavailable(format!("unloading failed on a rank: {err:#}"))),
+        }
+    }
+
+    async fn list_models(&self, _request: Request<pb::ListModelsRequest>) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let coordinator = ready(&self.coordinator)?;
+        let tp = coordinator.supervisor.tp_size();
+        let models = coordinator.models.read().await.values().map(|m| m.info(tp)).collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+}

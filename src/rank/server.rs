@@ -1,0 +1,291 @@
+//! The rank's gRPC service: turns RPCs into device-worker commands.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use candle_core::Device;
+use tokio::sync::{Notify, oneshot};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::comm::socket::{self, Rendezvous};
+use crate::model::loader::LoadProgress;
+use crate::net::{Address, Listener};
+use crate::proto::rank::v1 as pb;
+use crate::proto::rank::v1::rank_server::{Rank, RankServer};
+use crate::proto::{FILE_DESCRIPTOR_SET, RANK_PROTOCOL_VERSION};
+use crate::rank::worker::{self, Command, SharedState, WorkerConfig};
+
+/// Settings of one rank process.
+pub struct RankOptions {
+    pub listen: Address,
+    pub device: Device,
+    pub device_name: String,
+    pub threads: usize,
+    /// where rank 0 opens its rendezvous for the collective bootstrap (TCP host:port, port 0 to
+    /// pick one, or a Unix socket path)
+    pub rendezvous_bind: String,
+    /// the host other ranks use to reach the rendezvous (for TCP across hosts)
+    pub advertise_host: Option<String>,
+    pub init_timeout: Duration,
+    pub collective_timeout: Duration,
+}
+
+pub struct RankService {
+    commands: std::sync::mpsc::Sender<Command>,
+    shared: Arc<Mutex<SharedState>>,
+    /// the rendezvous rank 0 keeps open between CreateCommId and Init
+    rendezvous: Mutex<Option<(u64, Rendezvous)>>,
+    options: Arc<RankOptions>,
+    shutdown: Arc<Notify>,
+}
+
+impl RankService {
+    fn shared(&self) -> std::sync::MutexGuard<'_, SharedState> {
+        self.shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Queues a command for the device worker and waits for its reply.
+    async fn call<T>(&self, make: impl FnOnce(worker::Reply<T>) -> Command) -> Result<T, Status> {
+        let (reply, receive) = oneshot::channel();
+        self.commands
+            .send(make(reply))
+            .map_err(|_| Status::internal("the device worker has stopped"))?;
+        receive.await.map_err(|_| Status::internal("the device worker dropped the request"))?
+    }
+}
+
+type ProgressStream = Pin<Box<dyn Stream<Item = Result<pb::LoadShardProgress, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Rank for RankService {
+    async fn info(&self, request: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
+        let asked = request.get_ref().protocol_version;
+        if asked != RANK_PROTOCOL_VERSION {
+            return Err(Status::failed_precondition(format!(
+                "rank protocol version mismatch: this rank speaks {RANK_PROTOCOL_VERSION}, the caller {asked}; \
+                 run the same tpserve version on the coordinator and every rank"
+            )));
+        }
+        let (memory_total, memory_available) = memory_info();
+        let shared = self.shared();
+        Ok(Response::new(pb::InfoResponse {
+            protocol_version: RANK_PROTOCOL_VERSION,
+            server_version: env!("CARGO_PKG_VERSION").to_owned(),
+            backend: "socket".to_owned(),
+            device: self.options.device_name.clone(),
+            memory_total_bytes: memory_total,
+            memory_available_bytes: memory_available,
+            threads: self.options.threads as u32,
+            initialized: shared.initialized,
+            rank: shared.rank,
+            world_size: shared.world_size,
+            epoch: shared.epoch,
+            loaded_models: shared.loaded_models.clone(),
+        }))
+    }
+
+    async fn create_comm_id(
+        &self,
+        request: Request<pb::CreateCommIdRequest>,
+    ) -> Result<Response<pb::CreateCommIdResponse>, Status> {
+        let epoch = request.get_ref().epoch;
+        let bind = self.options.rendezvous_bind.clone();
+        let advertise = self.options.advertise_host.clone();
+        let (id, rendezvous) = tokio::task::spawn_blocking(move || {
+            let bind = socket::RendezvousAddr::parse(&bind)?;
+            socket::create_comm_id(&bind, advertise.as_deref())
+        })
+            .await
+            .map_err(|err| Status::internal(format!("rendezvous task failed: {err}")))?
+            .map_err(|err| Status::unavailable(format!("cannot open the rendezvous: {err}")))?;
+        *self.rendezvous.lock().unwrap_or_else(|p| p.into_inner()) = Some((epoch, rendezvous));
+        Ok(Response::new(pb::CreateCommIdResponse { comm_id: id.to_bytes() }))
+    }
+
+    async fn init(&self, request: Request<pb::InitRequest>) -> Result<Response<pb::InitResponse>, Status> {
+        let request = request.into_inner();
+        let rendezvous = if request.rank == 0 {
+            let taken = self.rendezvous.lock().unwrap_or_else(|p| p.into_inner()).take();
+            match taken {
+                Some((epoch, rendezvous)) if epoch == request.epoch => Some(rendezvous),
+                _ => {
+                    return Err(Status::failed_precondition(format!(
+                        "rank 0 has no rendezvous for epoch {}: call CreateCommId on rank 0 first",
+                        request.epoch
+                    )));
+                }
+            }
+        } else {
+            None
+        };
+        // A newer epoch must not wait behind a step blocked on a dead communicator.
+        let stale = {
+            let shared = self.shared();
+            if request.epoch > shared.epoch { shared.communicator.clone() } else { None }
+        };
+        if let Some(old) = stale {
+            old.abort();
+        }
+        let response = self.call(|reply| Command::Init { request, rendezvous, reply }).await?;
+        Ok(Response::new(response))
+    }
+
+    type LoadShardStream = ProgressStream;
+
+    async fn load_shard(
+        &self,
+        request: Request<pb::LoadShardRequest>,
+    ) -> Result<Response<Self::LoadShardStream>, Status> {
+        let request = request.into_inner();
+        let bytes_total = checkpoint_bytes(&request.model_path);
+        let progress = Arc::new(LoadProgress::default());
+        let (reply, done) = oneshot::channel();
+        self.commands
+            .send(Command::Load { request, progress: progress.clone(), reply })
+            .map_err(|_| Status::internal("the device worker has stopped"))?;
+        let (sender, receiver) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(report_progress(progress, bytes_total, done, sender));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
+    }
+
+    async fn generate_step(
+        &self,
+        request: Request<pb::GenerateStepRequest>,
+    ) -> Result<Response<pb::GenerateStepResponse>, Status> {
+        let request = request.into_inner();
+        let response = self.call(|reply| Command::Step { request, reply }).await?;
+        Ok(Response::new(response))
+    }
+
+    async fn clear_kv(&self, request: Request<pb::ClearKvRequest>) -> Result<Response<pb::ClearKvResponse>, Status> {
+        let request = request.into_inner();
+        Ok(Response::new(self.call(|reply| Command::ClearKv { request, reply }).await?))
+    }
+
+    async fn unload(&self, request: Request<pb::UnloadRequest>) -> Result<Response<pb::UnloadResponse>, Status> {
+        let request = request.into_inner();
+        Ok(Response::new(self.call(|reply| Command::Unload { request, reply }).await?))
+    }
+
+    async fn shutdown(&self, _request: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {
+        tracing::info!("shutdown requested by the coordinator");
+        if let Some(comm) = self.shared().communicator.clone() {
+            comm.abort();
+        }
+        self.shutdown.notify_one();
+        Ok(Response::new(pb::ShutdownResponse {}))
+    }
+}
+
+/// Streams load progress every 250 ms until the worker answers, then the final message.
+async fn report_progress(
+    progress: Arc<LoadProgress>,
+    bytes_total: u64,
+    mut done: oneshot::Receiver<Result<pb::ShardInfo, Status>>,
+    sender: tokio::sync::mpsc::Sender<Result<pb::LoadShardProgress, Status>>,
+) {
+    let snapshot = |done: bool, shard: Option<pb::ShardInfo>| pb::LoadShardProgress {
+        bytes_loaded: progress.bytes.load(std::sync::atomic::Ordering::Relaxed),
+        bytes_total,
+        tensors_loaded: progress.tensors.load(std::sync::atomic::Ordering::Relaxed),
+        done,
+        shard,
+    };
+    let mut ticker = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            result = &mut done => {
+                let last = match result {
+                    Ok(Ok(shard)) => Ok(snapshot(true, Some(shard))),
+                    Ok(Err(status)) => Err(status),
+                    Err(_) => Err(Status::internal("the device worker dropped the request")),
+                };
+                let _ = sender.send(last).await;
+                return;
+            }
+            _ = ticker.tick() => {
+                // A caller that went away does not stop the load: the worker finishes it.
+                let _ = sender.send(Ok(snapshot(false, None))).await;
+            }
+        }
+    }
+}
+
+/// Size on disk of the safetensors files in a model directory (0 when unknown).
+fn checkpoint_bytes(path: &str) -> u64 {
+    let Ok(entries) = std::fs::read_dir(path) else { return 0 };
+    entries
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|ext| ext == "safetensors"))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// (MemTotal, MemAvailable) in bytes from /proc/meminfo; zeros where unavailable.
+fn memory_info() -> (u64, u64) {
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else { return (0, 0) };
+    let field = |name: &str| {
+        text.lines()
+            .find(|line| line.starts_with(name))
+            .and_then(|line| line.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("MemTotal:"), field("MemAvailable:"))
+}
+
+/// Runs a rank server until Shutdown, SIGINT or SIGTERM.
+pub async fn run(options: RankOptions) -> anyhow::Result<()> {
+    let options = Arc::new(options);
+    let shared = Arc::new(Mutex::new(SharedState::default()));
+    let commands = worker::spawn(
+        WorkerConfig {
+            device: options.device.clone(),
+            default_init_timeout: options.init_timeout,
+            collective_timeout: options.collective_timeout,
+        },
+        shared.clone(),
+    )?;
+    let shutdown = Arc::new(Notify::new());
+    let service = RankService {
+        commands,
+        shared: shared.clone(),
+        rendezvous: Mutex::new(None),
+        options: options.clone(),
+        shutdown: shutdown.clone(),
+    };
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<RankServer<RankService>>().await;
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    let listener = Listener::bind(&options.listen).await?;
+    tracing::info!(listen = %listener.local_address()?, device = %options.device_name, "rank serving");
+    let router = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(RankServer::new(service).max_decoding_message_size(256 << 20));
+    let stop = async move {
+        tokio::select! {
+            _ = shutdown.notified() => {}
+            _ = crate::cli::termination_signal() => {}
+        }
+    };
+    listener.serve(router, stop).await?;
+    if let Some(comm) = shared.lock().unwrap_or_else(|p| p.into_inner()).communicator.take() {
+        comm.abort();
+    }
+    tracing::info!("rank stopped");
+    Ok(())
+}

@@ -1,0 +1,372 @@
+//! The device worker: one OS thread that owns the rank's device state (communicator, model
+//! shards, caches, samplers). The gRPC handlers send it commands and await the replies.
+//!
+//! One owning thread is what CUDA contexts and NCCL communicators require, and it serialises
+//! steps for free: a rank can only run one forward pass at a time anyway.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use tokio::sync::oneshot;
+use tonic::Status;
+
+use crate::comm::Collective;
+use crate::comm::socket::{CommId, Rendezvous, SocketCollective, SocketOptions};
+use crate::model::loader::LoadProgress;
+use crate::model::parallel::TpGroup;
+use crate::model::{CacheStore, LoadOptions, Model, SequenceInput};
+use crate::proto::rank::v1 as pb;
+use crate::rank::sampling::{Sampler, SamplingParams};
+
+pub type Reply<T> = oneshot::Sender<Result<T, Status>>;
+
+pub enum Command {
+    Init { request: pb::InitRequest, rendezvous: Option<Rendezvous>, reply: Reply<pb::InitResponse> },
+    Load { request: pb::LoadShardRequest, progress: Arc<LoadProgress>, reply: Reply<pb::ShardInfo> },
+    Step { request: pb::GenerateStepRequest, reply: Reply<pb::GenerateStepResponse> },
+    ClearKv { request: pb::ClearKvRequest, reply: Reply<pb::ClearKvResponse> },
+    Unload { request: pb::UnloadRequest, reply: Reply<pb::UnloadResponse> },
+}
+
+/// What the gRPC side may read without going through the worker queue (Info must answer even
+/// while a long step runs).
+#[derive(Default)]
+pub struct SharedState {
+    pub initialized: bool,
+    pub rank: u32,
+    pub world_size: u32,
+    pub epoch: u64,
+    pub loaded_models: Vec<String>,
+    /// the live communicator, so a newer Init can abort it even while the worker is blocked in it
+    pub communicator: Option<Arc<dyn Collective>>,
+}
+
+pub struct WorkerConfig {
+    pub device: Device,
+    pub default_init_timeout: Duration,
+    pub collective_timeout: Duration,
+}
+
+/// Starts the worker thread and returns the queue that feeds it.
+pub fn spawn(config: WorkerConfig, shared: Arc<Mutex<SharedState>>) -> std::io::Result<std::sync::mpsc::Sender<Command>> {
+    let (sender, receiver) = std::sync::mpsc::channel::<Command>();
+    std::thread::Builder::new().name("device-worker".into()).spawn(move || {
+        let mut worker = Worker { config, shared, group: None, models: HashMap::new() };
+        while let Ok(command) = receiver.recv() {
+            worker.handle(command);
+        }
+    })?;
+    Ok(sender)
+}
+
+struct Worker {
+    config: WorkerConfig,
+    shared: Arc<Mutex<SharedState>>,
+    group: Option<TpGroup>,
+    models: HashMap<String, Shard>,
+}
+
+/// A loaded model on this rank with the per-sequence state that goes with it.
+struct Shard {
+    model: Model,
+    caches: CacheStore,
+    /// sampling-rank state per sequence
+    sequences: HashMap<u64, SequenceTokens>,
+}
+
+/// The tokens a sequence has been fed, for penalties, and its sampler.
+#[derive(Default)]
+struct SequenceTokens {
+    tokens: Vec<u32>,
+    sampler: Option<Sampler>,
+    /// tokens[..observed] have been shown to the sampler
+    observed: usize,
+}
+
+impl Worker {
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Init { request, rendezvous, reply } => {
+                let _ = reply.send(self.init(request, rendezvous));
+            }
+            Command::Load { request, progress, reply } => {
+                let _ = reply.send(self.load(request, progress));
+            }
+            Command::Step { request, reply } => {
+                let _ = reply.send(self.step(request));
+            }
+            Command::ClearKv { request, reply } => {
+                let _ = reply.send(self.clear_kv(request));
+            }
+            Command::Unload { request, reply } => {
+                let removed = self.models.remove(&request.model_id).is_some();
+                self.publish_models();
+                let _ = reply.send(if removed {
+                    Ok(pb::UnloadResponse {})
+                } else {
+                    Err(Status::not_found(format!("model \"{}\" is not loaded on this rank", request.model_id)))
+                });
+            }
+        }
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, SharedState> {
+        self.shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn publish_models(&self) {
+        let mut names: Vec<String> = self.models.keys().cloned().collect();
+        names.sort();
+        self.shared().loaded_models = names;
+    }
+
+    fn init(&mut self, request: pb::InitRequest, rendezvous: Option<Rendezvous>) -> Result<pb::InitResponse, Status> {
+        let (rank, world_size) = (request.rank as usize, request.world_size as usize);
+        if world_size == 0 || rank >= world_size {
+            return Err(Status::invalid_argument(format!(
+                "rank {rank} is not valid for world size {world_size}"
+            )));
+        }
+        let current_epoch = self.shared().epoch;
+        if self.group.is_some() && request.epoch < current_epoch {
+            return Err(Status::failed_precondition(format!(
+                "Init epoch {} is older than this rank's epoch {current_epoch}",
+                request.epoch
+            )));
+        }
+        // A new epoch replaces everything built on the old communicator: the models hold it.
+        if let Some(old) = self.group.take() {
+            old.comm.abort();
+        }
+        self.models.clear();
+        {
+            let mut shared = self.shared();
+            shared.initialized = false;
+            shared.communicator = None;
+            shared.loaded_models.clear();
+        }
+        let comm_id = CommId::from_bytes(&request.comm_id)
+            .map_err(|err| Status::invalid_argument(format!("bad comm_id: {err}")))?;
+        let init_timeout = if request.timeout_ms == 0 {
+            self.config.default_init_timeout
+        } else {
+            Duration::from_millis(request.timeout_ms as u64)
+        };
+        let options = SocketOptions { init_timeout, op_timeout: self.config.collective_timeout };
+        let started = Instant::now();
+        let comm = SocketCollective::init(&comm_id, rank, world_size, rendezvous, options)
+            .map_err(|err| Status::unavailable(format!("communicator init failed: {err}")))?;
+        let comm: Arc<dyn Collective> = Arc::new(comm);
+        tracing::info!(rank, world_size, epoch = request.epoch, elapsed = ?started.elapsed(), "joined communicator");
+        self.group = Some(TpGroup::new(comm.clone()));
+        let mut shared = self.shared();
+        shared.initialized = true;
+        shared.rank = rank as u32;
+        shared.world_size = world_size as u32;
+        shared.epoch = request.epoch;
+        shared.communicator = Some(comm);
+        Ok(pb::InitResponse { epoch: request.epoch })
+    }
+
+    fn load(&mut self, request: pb::LoadShardRequest, progress: Arc<LoadProgress>) -> Result<pb::ShardInfo, Status> {
+        let group = self.group.clone().ok_or_else(not_initialized)?;
+        if request.model_id.is_empty() {
+            return Err(Status::invalid_argument("model_id must not be empty"));
+        }
+        let dtype = parse_dtype(&request.dtype, &self.config.device)?;
+        let options = LoadOptions { dtype, device: self.config.device.clone() };
+        let path = PathBuf::from(&request.model_path);
+        let started = Instant::now();
+        let model = Model::load(&path, &group, &options, progress)
+            .map_err(|err| Status::invalid_argument(format!("cannot load {}: {err:#}", path.display())))?;
+        let info = shard_info(&model);
+        tracing::info!(model = %request.model_id, path = %path.display(), elapsed = ?started.elapsed(), "shard loaded");
+        // Replacing a model drops its old caches with it.
+        self.models.insert(request.model_id, Shard { model, caches: CacheStore::default(), sequences: HashMap::new() });
+        self.publish_models();
+        Ok(info)
+    }
+
+    fn step(&mut self, request: pb::GenerateStepRequest) -> Result<pb::GenerateStepResponse, Status> {
+        let started = Instant::now();
+        let (rank, epoch) = {
+            let shared = self.shared();
+            (shared.rank, shared.epoch)
+        };
+        if self.group.is_none() {
+            return Err(not_initialized());
+        }
+        if request.epoch != epoch {
+            return Err(Status::failed_precondition(format!(
+                "step for epoch {} but this rank is in epoch {epoch}",
+                request.epoch
+            )));
+        }
+        let shard = self.models.get_mut(&request.model_id).ok_or_else(|| {
+            Status::not_found(format!("model \"{}\" is not loaded on this rank", request.model_id))
+        })?;
+        let inputs: Vec<SequenceInput<'_>> = request
+            .sequences
+            .iter()
+            .map(|seq| SequenceInput {
+                seq_id: seq.seq_id,
+                tokens: &seq.token_ids,
+                start_pos: seq.start_pos as usize,
+                sample: seq.sample,
+            })
+            .collect();
+        let logits = shard.model.step(&inputs, &mut shard.caches).map_err(step_error)?;
+        let mut tokens = Vec::new();
+        for seq in &request.sequences {
+            shard.sequences.entry(seq.seq_id).or_default().record(seq);
+        }
+        if let Some(logits) = logits {
+            let sampling: Vec<&pb::SequenceStep> = request.sequences.iter().filter(|s| s.sample).collect();
+            for (row, seq) in sampling.iter().enumerate() {
+                let mut values = logits
+                    .get(row)
+                    .and_then(|r| r.to_vec1::<f32>())
+                    .map_err(|err| Status::internal(format!("reading logits: {err}")))?;
+                let params = seq.sampling.clone().unwrap_or_default();
+                for &id in &params.suppressed_token_ids {
+                    if let Some(v) = values.get_mut(id as usize) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+                let state = shard.sequences.entry(seq.seq_id).or_default();
+                let sampled = state.sample(seq, &params, &values)?;
+                tokens.push(sampled);
+            }
+        }
+        Ok(pb::GenerateStepResponse {
+            step: request.step,
+            rank,
+            tokens,
+            compute_micros: started.elapsed().as_micros() as u64,
+        })
+    }
+
+    fn clear_kv(&mut self, request: pb::ClearKvRequest) -> Result<pb::ClearKvResponse, Status> {
+        let shard = self.models.get_mut(&request.model_id).ok_or_else(|| {
+            Status::not_found(format!("model \"{}\" is not loaded on this rank", request.model_id))
+        })?;
+        let cleared = if request.all {
+            shard.sequences.clear();
+            shard.caches.clear()
+        } else {
+            request
+                .seq_ids
+                .iter()
+                .filter(|id| {
+                    shard.sequences.remove(id);
+                    shard.caches.remove(**id)
+                })
+                .count()
+        };
+        Ok(pb::ClearKvResponse {
+            cleared: cleared as u32,
+            remaining_sequences: shard.caches.len() as u32,
+            cached_tokens: shard.caches.cached_tokens() as u64,
+        })
+    }
+}
+
+impl SequenceTokens {
+    /// Tracks the tokens fed to the sequence; a rewind (start_pos before the end) forgets the
+    /// sampler so it is rebuilt from the surviving history.
+    fn record(&mut self, seq: &pb::SequenceStep) {
+        let start = seq.start_pos as usize;
+        if start < self.tokens.len() {
+            self.tokens.truncate(start);
+            self.sampler = None;
+            self.observed = 0;
+        }
+        self.tokens.extend_from_slice(&seq.token_ids);
+    }
+
+    fn sample(&mut self, seq: &pb::SequenceStep, params: &pb::SamplingParams, logits: &[f32]) -> Result<pb::SampledToken, Status> {
+        let prompt_len = (seq.prompt_len as usize).min(self.tokens.len());
+        if self.sampler.is_none() {
+            let params = sampling_params(params);
+            self.sampler = Some(Sampler::new(params, &self.tokens[..prompt_len]));
+            self.observed = prompt_len;
+        }
+        let Some(sampler) = self.sampler.as_mut() else {
+            return Err(Status::internal("sampler missing"));
+        };
+        if self.observed < self.tokens.len() {
+            sampler.observe(&self.tokens[self.observed..]);
+            self.observed = self.tokens.len();
+        }
+        let sampled = sampler.sample(logits);
+        Ok(pb::SampledToken {
+            seq_id: seq.seq_id,
+            token_id: sampled.token_id,
+            logprob: sampled.logprob,
+            top_logprobs: sampled
+                .top_logprobs
+                .into_iter()
+                .map(|(token_id, logprob)| pb::TokenLogprob { token_id, logprob })
+                .collect(),
+        })
+    }
+}
+
+fn sampling_params(p: &pb::SamplingParams) -> SamplingParams {
+    SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        seed: p.seed,
+        top_logprobs: p.top_logprobs,
+    }
+}
+
+fn not_initialized() -> Status {
+    Status::failed_precondition("this rank has not joined a communicator yet (Init first)")
+}
+
+/// Bad input is the coordinator's fault (INVALID_ARGUMENT); a collective failure means the
+/// group is broken (UNAVAILABLE), which tells the coordinator to recover.
+fn step_error(err: anyhow::Error) -> Status {
+    let is_comm = err.chain().any(|cause| cause.downcast_ref::<crate::comm::CommError>().is_some());
+    if is_comm {
+        Status::unavailable(format!("collective failed: {err:#}"))
+    } else {
+        Status::invalid_argument(format!("{err:#}"))
+    }
+}
+
+fn parse_dtype(text: &str, device: &Device) -> Result<Option<DType>, Status> {
+    Ok(match text {
+        "" | "auto" => Some(if device.is_cpu() { DType::F32 } else { DType::BF16 }),
+        "checkpoint" => None,
+        "f32" | "float32" => Some(DType::F32),
+        "bf16" | "bfloat16" => Some(DType::BF16),
+        "f16" | "float16" => Some(DType::F16),
+        other => {
+            return Err(Status::invalid_argument(format!(
+                "unknown dtype \"{other}\" (expected auto, checkpoint, f32, bf16 or f16)"
+            )));
+        }
+    })
+}
+
+fn shard_info(model: &Model) -> pb::ShardInfo {
+    let config = model.config();
+    pb::ShardInfo {
+        model_type: config.model_type.clone(),
+        vocab_size: config.vocab_size as u32,
+        max_context: config.max_position_embeddings as u32,
+        dtype: format!("{:?}", model.dtype()).to_lowercase(),
+        weight_bytes: model.weight_bytes() as u64,
+        kv_bytes_per_token: model.kv_bytes_per_token() as u64,
+    }
+}
