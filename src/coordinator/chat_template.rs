@@ -211,14 +211,79 @@ fn describe(e: &Error) -> String {
     msg
 }
 
-/// Jinja2 prints Python values: `True`/`False`/`None`, where minijinja would print
-/// `true`/`false`/`none`. Some templates print flags directly, so match Python.
+/// Jinja2 prints Python values: `True`/`False`/`None` and `['a', 1]`, where minijinja would
+/// print `true`/`false`/`none` and `["a", 1]`. Templates that print flags or lists directly
+/// must produce the prompt the model saw in training, so match Python.
 fn python_formatter(out: &mut minijinja::Output, state: &minijinja::State, value: &Value) -> Result<(), Error> {
     match value.kind() {
-        ValueKind::Bool => Ok(out.write_str(if value.is_true() { "True" } else { "False" })?),
-        ValueKind::None => Ok(out.write_str("None")?),
+        ValueKind::Bool | ValueKind::None | ValueKind::Seq | ValueKind::Map => {
+            let mut text = String::new();
+            python_repr(value, &mut text);
+            Ok(out.write_str(&text)?)
+        }
         _ => minijinja::escape_formatter(out, state, value),
     }
+}
+
+/// Python's `repr` of a template value (as `str()` of a container shows its items).
+fn python_repr(value: &Value, out: &mut String) {
+    match value.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
+        ValueKind::String => python_str_repr(value.as_str().unwrap_or_default(), out),
+        ValueKind::Seq => {
+            let Ok(items) = value.try_iter() else {
+                out.push_str(&value.to_string());
+                return;
+            };
+            out.push('[');
+            for (i, item) in items.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&item, out);
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let Ok(keys) = value.try_iter() else {
+                out.push_str(&value.to_string());
+                return;
+            };
+            out.push('{');
+            for (i, key) in keys.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&key, out);
+                out.push_str(": ");
+                python_repr(&value.get_item(&key).unwrap_or_default(), out);
+            }
+            out.push('}');
+        }
+        _ => out.push_str(&value.to_string()),
+    }
+}
+
+/// Python's `repr` of a str: single quotes unless only double quotes avoid escaping.
+fn python_str_repr(s: &str, out: &mut String) {
+    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
 }
 
 /// Templates validate conversations (e.g. "roles must alternate") by calling
@@ -644,6 +709,12 @@ mod tests {
         assert_eq!(out, "hi there|True|hi,there|x|1|True");
         // Python's rendering of None and booleans.
         assert_eq!(render_src("{{ none }}|{{ false }}|{{ undefined_var }}|{{ 1 == 1 }}", &[], false).unwrap(), "None|False||True");
+        // str() of Python containers: repr of the items.
+        assert_eq!(
+            render_src(r#"{{ ['a', 1, 2.5, none, true, "it's", 'q"\n'] }}|{{ {'k': ['v']} }}|{{ 'a b'.split() }}"#, &[], false)
+                .unwrap(),
+            r#"['a', 1, 2.5, None, True, "it's", 'q"\n']|{'k': ['v']}|['a', 'b']"#
+        );
     }
 
     #[test]
