@@ -42,7 +42,10 @@ pub struct SocketOptions {
 
 impl Default for SocketOptions {
     fn default() -> Self {
-        Self { init_timeout: Duration::from_secs(120), op_timeout: Duration::from_secs(60) }
+        Self {
+            init_timeout: Duration::from_secs(120),
+            op_timeout: Duration::from_secs(60),
+        }
     }
 }
 
@@ -62,7 +65,10 @@ pub enum RendezvousAddr {
 
 impl RendezvousAddr {
     pub fn tcp(host: impl Into<String>, port: u16) -> Self {
-        Self::Tcp { host: host.into(), port }
+        Self::Tcp {
+            host: host.into(),
+            port,
+        }
     }
 
     pub fn unix(path: impl Into<PathBuf>) -> Self {
@@ -72,7 +78,8 @@ impl RendezvousAddr {
     /// Parses `tcp://HOST:PORT`, `unix://PATH` (or `unix:PATH`), a bare `HOST:PORT`
     /// (`[v6]:PORT` for IPv6) or a bare absolute path.
     pub fn parse(s: &str) -> CommResult<Self> {
-        Self::from_wire(s.as_bytes(), true).map_err(|reason| CommError::InvalidId(format!("bad address {s:?}: {reason}")))
+        Self::from_wire(s.as_bytes(), true)
+            .map_err(|reason| CommError::InvalidId(format!("bad address {s:?}: {reason}")))
     }
 
     /// Canonical byte form: `tcp://HOST:PORT` or `unix://PATH` (raw path bytes).
@@ -97,14 +104,16 @@ impl RendezvousAddr {
     /// `unix:PATH`.
     fn from_wire(b: &[u8], lenient: bool) -> Result<Self, String> {
         if let Some(rest) = b.strip_prefix(b"tcp://") {
-            let text = std::str::from_utf8(rest).map_err(|_| "tcp address is not UTF-8".to_string())?;
+            let text =
+                std::str::from_utf8(rest).map_err(|_| "tcp address is not UTF-8".to_string())?;
             let (host, port) = split_host_port(text)?;
             return Ok(Self::Tcp { host, port });
         }
         let path = if let Some(rest) = b.strip_prefix(b"unix://") {
             Some(rest)
         } else if lenient {
-            b.strip_prefix(b"unix:").or(if b.starts_with(b"/") { Some(b) } else { None })
+            b.strip_prefix(b"unix:")
+                .or(if b.starts_with(b"/") { Some(b) } else { None })
         } else {
             None
         };
@@ -141,11 +150,17 @@ impl FromStr for RendezvousAddr {
 
 fn split_host_port(s: &str) -> Result<(String, u16), String> {
     let (host, port) = if let Some(rest) = s.strip_prefix('[') {
-        let (host, after) = rest.split_once(']').ok_or_else(|| format!("unterminated '[' in {s:?}"))?;
-        let port = after.strip_prefix(':').ok_or_else(|| format!("missing :PORT in {s:?}"))?;
+        let (host, after) = rest
+            .split_once(']')
+            .ok_or_else(|| format!("unterminated '[' in {s:?}"))?;
+        let port = after
+            .strip_prefix(':')
+            .ok_or_else(|| format!("missing :PORT in {s:?}"))?;
         (host, port)
     } else {
-        let (host, port) = s.rsplit_once(':').ok_or_else(|| format!("missing :PORT in {s:?}"))?;
+        let (host, port) = s
+            .rsplit_once(':')
+            .ok_or_else(|| format!("missing :PORT in {s:?}"))?;
         if host.contains(':') {
             return Err(format!("IPv6 host must be written in brackets: {s:?}"));
         }
@@ -163,7 +178,10 @@ fn validate_host(host: &str) -> Result<(), String> {
     if host.len() > 255 {
         return Err("host name too long".into());
     }
-    if host.chars().any(|c| c.is_whitespace() || c.is_control() || matches!(c, ';' | '/' | '[' | ']' | '@')) {
+    if host
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || matches!(c, ';' | '/' | '[' | ']' | '@'))
+    {
         return Err(format!("bad character in host {host:?}"));
     }
     Ok(())
@@ -195,12 +213,18 @@ impl CommId {
 
     /// Parses [`CommId::to_bytes`] output. Anything else gives [`CommError::InvalidId`].
     pub fn from_bytes(bytes: &[u8]) -> CommResult<Self> {
-        let bad = |reason: &str| CommError::InvalidId(format!("{reason} (got {:?})", preview(bytes)));
+        let bad =
+            |reason: &str| CommError::InvalidId(format!("{reason} (got {:?})", preview(bytes)));
         if bytes.len() > MAX_ID_LEN {
             return Err(bad("id too long"));
         }
-        let rest = bytes.strip_prefix(ID_PREFIX).ok_or_else(|| bad("missing 'tpcomm1;' prefix"))?;
-        let split = rest.iter().rposition(|&b| b == b';').ok_or_else(|| bad("missing ';<nonce>'"))?;
+        let rest = bytes
+            .strip_prefix(ID_PREFIX)
+            .ok_or_else(|| bad("missing 'tpcomm1;' prefix"))?;
+        let split = rest
+            .iter()
+            .rposition(|&b| b == b';')
+            .ok_or_else(|| bad("missing ';<nonce>'"))?;
         let (addr, nonce) = (&rest[..split], &rest[split + 1..]);
         let nonce = hex_decode_nonce(nonce).ok_or_else(|| bad("nonce must be 32 hex digits"))?;
         let addr = RendezvousAddr::from_wire(addr, false).map_err(|r| bad(&r))?;
@@ -275,7 +299,11 @@ enum Listener {
     Tcp(TcpListener),
     /// `ident` is the (device, inode) of the socket file we created, so that dropping removes
     /// only our own file, never a newer one bound at the same path.
-    Unix { listener: UnixListener, path: PathBuf, ident: (u64, u64) },
+    Unix {
+        listener: UnixListener,
+        path: PathBuf,
+        ident: (u64, u64),
+    },
 }
 
 impl Listener {
@@ -283,20 +311,31 @@ impl Listener {
         match std::fs::symlink_metadata(path) {
             Ok(meta) if meta.file_type().is_socket() => {
                 debug!(path = %path.display(), "removing stale unix socket");
-                std::fs::remove_file(path).map_err(|e| io_ctx(op, format!("remove stale socket {}", path.display()), e))?;
+                std::fs::remove_file(path).map_err(|e| {
+                    io_ctx(op, format!("remove stale socket {}", path.display()), e)
+                })?;
             }
             Ok(_) => {
                 return Err(CommError::Invalid {
                     op,
-                    reason: format!("{} exists and is not a socket; refusing to replace it", path.display()),
+                    reason: format!(
+                        "{} exists and is not a socket; refusing to replace it",
+                        path.display()
+                    ),
                 });
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(io_ctx(op, format!("stat {}", path.display()), e)),
         }
-        let listener = UnixListener::bind(path).map_err(|e| io_ctx(op, format!("bind unix socket {}", path.display()), e))?;
-        let meta = std::fs::symlink_metadata(path).map_err(|e| io_ctx(op, format!("stat {}", path.display()), e))?;
-        Ok(Self::Unix { listener, path: path.to_path_buf(), ident: (meta.dev(), meta.ino()) })
+        let listener = UnixListener::bind(path)
+            .map_err(|e| io_ctx(op, format!("bind unix socket {}", path.display()), e))?;
+        let meta = std::fs::symlink_metadata(path)
+            .map_err(|e| io_ctx(op, format!("stat {}", path.display()), e))?;
+        Ok(Self::Unix {
+            listener,
+            path: path.to_path_buf(),
+            ident: (meta.dev(), meta.ino()),
+        })
     }
 
     fn fd(&self) -> RawFd {
@@ -333,12 +372,19 @@ impl Listener {
             match self.accept() {
                 Ok(c) => return Ok(Some(c)),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let Some(rem) = remaining(deadline) else { return Ok(None) };
+                    let Some(rem) = remaining(deadline) else {
+                        return Ok(None);
+                    };
                     poll_one(self.fd(), libc::POLLIN, rem)?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 // The client gave up between SYN and accept; not our problem.
-                Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+                    ) =>
+                {
                     debug!(error = %e, "ignoring aborted incoming connection");
                 }
                 Err(e) => return Err(e),
@@ -400,22 +446,40 @@ impl Conn {
     /// Blocking send honoring SO_SNDTIMEO; never raises SIGPIPE.
     fn send_blocking(&self, buf: &[u8]) -> io::Result<usize> {
         // SAFETY: buf is a valid readable slice for its whole length.
-        let n = unsafe { libc::send(self.fd(), buf.as_ptr().cast(), buf.len(), libc::MSG_NOSIGNAL) };
-        if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+        let n = unsafe {
+            libc::send(
+                self.fd(),
+                buf.as_ptr().cast(),
+                buf.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
     }
 
     /// Blocking recv honoring SO_RCVTIMEO.
     fn recv_blocking(&self, buf: &mut [u8]) -> io::Result<usize> {
         // SAFETY: buf is a valid writable slice for its whole length.
         let n = unsafe { libc::recv(self.fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
     }
 }
 
 fn connect_once(addr: &RendezvousAddr, timeout: Duration) -> io::Result<Conn> {
     match addr {
         RendezvousAddr::Tcp { host, port } => {
-            let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{host} resolved to no address"));
+            let mut last = io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{host} resolved to no address"),
+            );
             for sa in (host.as_str(), *port).to_socket_addrs()? {
                 match TcpStream::connect_timeout(&sa, timeout) {
                     Ok(s) => return Conn::tcp(s),
@@ -438,7 +502,9 @@ fn connect_retry(addr: &RendezvousAddr, peer: usize, deadline: Instant) -> CommR
             return Err(CommError::PeerFailed {
                 peer,
                 op: "init",
-                reason: format!("could not connect to rank {peer} at {addr} before the init deadline: {why}"),
+                reason: format!(
+                    "could not connect to rank {peer} at {addr} before the init deadline: {why}"
+                ),
             });
         };
         match connect_once(addr, rem.min(Duration::from_secs(10))) {
@@ -458,12 +524,17 @@ fn connect_retry(addr: &RendezvousAddr, peer: usize, deadline: Instant) -> CommR
 
 fn remaining(deadline: Instant) -> Option<Duration> {
     let now = Instant::now();
-    if now >= deadline { None } else { Some((deadline - now).max(Duration::from_millis(1))) }
+    if now >= deadline {
+        None
+    } else {
+        Some((deadline - now).max(Duration::from_millis(1)))
+    }
 }
 
 fn deadline_after(d: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(d).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 fn timeout_ms(d: Duration) -> libc::c_int {
@@ -474,23 +545,37 @@ fn timeout_ms(d: Duration) -> libc::c_int {
 
 /// Waits until `fd` is ready for `events` or `timeout` passes. Returns whether it is ready.
 fn poll_one(fd: RawFd, events: libc::c_short, timeout: Duration) -> io::Result<bool> {
-    let mut pfd = libc::pollfd { fd, events, revents: 0 };
+    let mut pfd = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
     // SAFETY: one valid pollfd.
     let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms(timeout)) };
     if rc < 0 {
         let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::Interrupted { Ok(false) } else { Err(e) }
+        if e.kind() == io::ErrorKind::Interrupted {
+            Ok(false)
+        } else {
+            Err(e)
+        }
     } else {
         Ok(rc > 0)
     }
 }
 
 fn io_ctx(op: &'static str, what: String, e: io::Error) -> CommError {
-    CommError::Io { op, source: io::Error::new(e.kind(), format!("{what}: {e}")) }
+    CommError::Io {
+        op,
+        source: io::Error::new(e.kind(), format!("{what}: {e}")),
+    }
 }
 
 fn is_timeout(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -519,10 +604,16 @@ fn write_frame(conn: &Conn, kind: u8, body: &[u8], deadline: Instant) -> io::Res
     msg.extend_from_slice(body);
     let mut off = 0;
     while off < msg.len() {
-        let rem = remaining(deadline).ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "send timed out"))?;
+        let rem = remaining(deadline)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "send timed out"))?;
         conn.set_timeouts(Some(rem))?;
         match conn.send_blocking(&msg[off..]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "socket accepted no data")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "socket accepted no data",
+                ));
+            }
             Ok(n) => off += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
@@ -534,10 +625,16 @@ fn write_frame(conn: &Conn, kind: u8, body: &[u8], deadline: Instant) -> io::Res
 fn read_exact_until(conn: &Conn, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
     let mut off = 0;
     while off < buf.len() {
-        let rem = remaining(deadline).ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "receive timed out"))?;
+        let rem = remaining(deadline)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "receive timed out"))?;
         conn.set_timeouts(Some(rem))?;
         match conn.recv_blocking(&mut buf[off..]) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "connection closed",
+                ));
+            }
             Ok(n) => off += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
@@ -551,7 +648,10 @@ fn read_frame(conn: &Conn, deadline: Instant) -> io::Result<(u8, Vec<u8>)> {
     read_exact_until(conn, &mut len, deadline)?;
     let len = u32::from_le_bytes(len) as usize;
     if len == 0 || len > MAX_FRAME {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("bad bootstrap frame length {len}")));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("bad bootstrap frame length {len}"),
+        ));
     }
     let mut body = vec![0u8; len];
     read_exact_until(conn, &mut body, deadline)?;
@@ -562,7 +662,12 @@ fn read_frame(conn: &Conn, deadline: Instant) -> io::Result<(u8, Vec<u8>)> {
 
 /// Best effort: tell a connecting client why it was turned away, then drop the connection.
 fn reject(conn: Conn, reason: &str) {
-    let _ = write_frame(&conn, FRAME_REJECT, reason.as_bytes(), deadline_after(Duration::from_secs(1)));
+    let _ = write_frame(
+        &conn,
+        FRAME_REJECT,
+        reason.as_bytes(),
+        deadline_after(Duration::from_secs(1)),
+    );
 }
 
 struct Hello {
@@ -591,12 +696,23 @@ fn decode_hello(b: &[u8]) -> Result<Hello, String> {
     let o = 4 + NONCE_LEN;
     let rank = u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]) as usize;
     let world = u32::from_le_bytes([b[o + 4], b[o + 5], b[o + 6], b[o + 7]]) as usize;
-    Ok(Hello { nonce, rank, world, addr: b[o + 8..].to_vec() })
+    Ok(Hello {
+        nonce,
+        rank,
+        world,
+        addr: b[o + 8..].to_vec(),
+    })
 }
 
 /// Reads and checks a hello on a freshly accepted connection. `Err` carries the reason to send
 /// back in a REJECT frame.
-fn read_hello(conn: &Conn, id: &CommId, world: usize, allowed: std::ops::Range<usize>, deadline: Instant) -> Result<Hello, String> {
+fn read_hello(
+    conn: &Conn,
+    id: &CommId,
+    world: usize,
+    allowed: std::ops::Range<usize>,
+    deadline: Instant,
+) -> Result<Hello, String> {
     let (kind, body) = read_frame(conn, deadline).map_err(|e| format!("no hello received: {e}"))?;
     if kind != FRAME_HELLO {
         return Err(format!("expected a hello frame, got frame kind {kind}"));
@@ -610,10 +726,16 @@ fn read_hello(conn: &Conn, id: &CommId, world: usize, allowed: std::ops::Range<u
         ));
     }
     if hello.world != world {
-        return Err(format!("world size mismatch: rank {} says {}, this group has {world}", hello.rank, hello.world));
+        return Err(format!(
+            "world size mismatch: rank {} says {}, this group has {world}",
+            hello.rank, hello.world
+        ));
     }
     if !allowed.contains(&hello.rank) {
-        return Err(format!("rank {} is not expected on this listener (expected {allowed:?}, world size {world})", hello.rank));
+        return Err(format!(
+            "rank {} is not expected on this listener (expected {allowed:?}, world size {world})",
+            hello.rank
+        ));
     }
     Ok(hello)
 }
@@ -638,7 +760,11 @@ fn decode_peers(b: &[u8], world: usize) -> Result<Vec<Option<RendezvousAddr>>, S
     for _ in 0..n {
         let len = r.u32()? as usize;
         let a = r.take(len)?;
-        out.push(if a.is_empty() { None } else { Some(RendezvousAddr::from_wire(a, false)?) });
+        out.push(if a.is_empty() {
+            None
+        } else {
+            Some(RendezvousAddr::from_wire(a, false)?)
+        });
     }
     Ok(out)
 }
@@ -665,8 +791,15 @@ fn decode_init_failed(b: &[u8], world: usize) -> CommError {
         Ok((waited, missing))
     };
     match parse() {
-        Ok((waited, missing)) => CommError::InitTimeout { waited, missing, world_size: world },
-        Err(e) => CommError::Invalid { op: "init", reason: format!("garbled init-failed notice from rank 0: {e}") },
+        Ok((waited, missing)) => CommError::InitTimeout {
+            waited,
+            missing,
+            world_size: world,
+        },
+        Err(e) => CommError::Invalid {
+            op: "init",
+            reason: format!("garbled init-failed notice from rank 0: {e}"),
+        },
     }
 }
 
@@ -694,11 +827,25 @@ impl<'a> ByteReader<'a> {
 }
 
 /// Maps an I/O failure talking to `peer` during init to the error the caller should see.
-fn init_peer_err(peer: usize, world: usize, waited: Duration, what: &str, e: io::Error) -> CommError {
+fn init_peer_err(
+    peer: usize,
+    world: usize,
+    waited: Duration,
+    what: &str,
+    e: io::Error,
+) -> CommError {
     if is_timeout(&e) {
-        CommError::InitTimeout { waited, missing: vec![peer], world_size: world }
+        CommError::InitTimeout {
+            waited,
+            missing: vec![peer],
+            world_size: world,
+        }
     } else {
-        CommError::PeerFailed { peer, op: "init", reason: format!("{what}: {e}") }
+        CommError::PeerFailed {
+            peer,
+            op: "init",
+            reason: format!("{what}: {e}"),
+        }
     }
 }
 
@@ -723,7 +870,9 @@ impl Rendezvous {
 
 impl fmt::Debug for Rendezvous {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Rendezvous").field("id", &self.id).finish_non_exhaustive()
+        f.debug_struct("Rendezvous")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -733,29 +882,52 @@ impl fmt::Debug for Rendezvous {
 /// Unix socket path (a stale socket file there is removed first). For TCP the id advertises
 /// `advertise_host` if given, else the bound IP; binding a wildcard address (`0.0.0.0`, `::`)
 /// without an `advertise_host` is an error because other hosts could not reach it.
-pub fn create_comm_id(bind: &RendezvousAddr, advertise_host: Option<&str>) -> CommResult<(CommId, Rendezvous)> {
+pub fn create_comm_id(
+    bind: &RendezvousAddr,
+    advertise_host: Option<&str>,
+) -> CommResult<(CommId, Rendezvous)> {
     const OP: &str = "create_comm_id";
     let (listener, addr) = match bind {
         RendezvousAddr::Tcp { host, port } => {
-            let l = TcpListener::bind((host.as_str(), *port)).map_err(|e| io_ctx(OP, format!("bind tcp {bind}"), e))?;
-            let local: SocketAddr = l.local_addr().map_err(|e| io_ctx(OP, "local_addr".into(), e))?;
+            let l = TcpListener::bind((host.as_str(), *port))
+                .map_err(|e| io_ctx(OP, format!("bind tcp {bind}"), e))?;
+            let local: SocketAddr = l
+                .local_addr()
+                .map_err(|e| io_ctx(OP, "local_addr".into(), e))?;
             let host = match advertise_host {
                 Some(h) => {
-                    let h = h.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(h);
-                    validate_host(h).map_err(|reason| CommError::Invalid { op: OP, reason: format!("advertise_host: {reason}") })?;
+                    let h = h
+                        .strip_prefix('[')
+                        .and_then(|h| h.strip_suffix(']'))
+                        .unwrap_or(h);
+                    validate_host(h).map_err(|reason| CommError::Invalid {
+                        op: OP,
+                        reason: format!("advertise_host: {reason}"),
+                    })?;
                     h.to_string()
                 }
                 None if local.ip().is_unspecified() => {
                     return Err(CommError::Invalid {
                         op: OP,
-                        reason: format!("bound the wildcard address {local}; pass advertise_host so other ranks can reach it"),
+                        reason: format!(
+                            "bound the wildcard address {local}; pass advertise_host so other ranks can reach it"
+                        ),
                     });
                 }
                 None => local.ip().to_string(),
             };
-            (Listener::Tcp(l), RendezvousAddr::Tcp { host, port: local.port() })
+            (
+                Listener::Tcp(l),
+                RendezvousAddr::Tcp {
+                    host,
+                    port: local.port(),
+                },
+            )
         }
-        RendezvousAddr::Unix(path) => (Listener::bind_unix(path, OP)?, RendezvousAddr::Unix(path.clone())),
+        RendezvousAddr::Unix(path) => (
+            Listener::bind_unix(path, OP)?,
+            RendezvousAddr::Unix(path.clone()),
+        ),
     };
     let nonce = rand::random::<u128>().to_le_bytes();
     let id = CommId { addr, nonce };
@@ -768,25 +940,42 @@ pub fn create_comm_id(bind: &RendezvousAddr, advertise_host: Option<&str>) -> Co
 // ---------------------------------------------------------------------------------------------
 
 fn missing_ranks(conns: &[Option<Conn>], range: std::ops::Range<usize>) -> Vec<usize> {
-    range.filter(|&r| conns.get(r).is_none_or(Option::is_none)).collect()
+    range
+        .filter(|&r| conns.get(r).is_none_or(Option::is_none))
+        .collect()
 }
 
-fn bootstrap_root(id: &CommId, world: usize, rdv: &Rendezvous, opts: &SocketOptions) -> CommResult<Vec<Option<Conn>>> {
+fn bootstrap_root(
+    id: &CommId,
+    world: usize,
+    rdv: &Rendezvous,
+    opts: &SocketOptions,
+) -> CommResult<Vec<Option<Conn>>> {
     let waited = opts.init_timeout;
     let deadline = deadline_after(opts.init_timeout);
     let mut conns: Vec<Option<Conn>> = (0..world).map(|_| None).collect();
     let mut addrs: Vec<Vec<u8>> = vec![Vec::new(); world];
-    rdv.listener.set_nonblocking(true).map_err(|e| io_ctx("init", "set listener non-blocking".into(), e))?;
+    rdv.listener
+        .set_nonblocking(true)
+        .map_err(|e| io_ctx("init", "set listener non-blocking".into(), e))?;
 
     // 1. Every other rank connects to the rendezvous and says hello.
     while conns[1..].iter().any(Option::is_none) {
-        let accepted = rdv.listener.accept_until(deadline).map_err(|e| io_ctx("init", "accept on rendezvous".into(), e))?;
+        let accepted = rdv
+            .listener
+            .accept_until(deadline)
+            .map_err(|e| io_ctx("init", "accept on rendezvous".into(), e))?;
         let Some((conn, from)) = accepted else {
             let missing = missing_ranks(&conns, 1..world);
             notify_init_failed(&conns, waited, &missing);
-            return Err(CommError::InitTimeout { waited, missing, world_size: world });
+            return Err(CommError::InitTimeout {
+                waited,
+                missing,
+                world_size: world,
+            });
         };
-        let hs_deadline = deadline_after(HANDSHAKE_TIMEOUT).min(deadline.max(Instant::now() + Duration::from_millis(200)));
+        let hs_deadline = deadline_after(HANDSHAKE_TIMEOUT)
+            .min(deadline.max(Instant::now() + Duration::from_millis(200)));
         match read_hello(&conn, id, world, 1..world, hs_deadline) {
             Ok(hello) if conns[hello.rank].is_some() => {
                 let reason = format!("rank {} already joined this communicator", hello.rank);
@@ -809,7 +998,8 @@ fn bootstrap_root(id: &CommId, world: usize, rdv: &Rendezvous, opts: &SocketOpti
     let table = encode_peers(&addrs);
     for (r, c) in conns.iter().enumerate().skip(1) {
         if let Some(c) = c {
-            write_frame(c, FRAME_PEERS, &table, deadline).map_err(|e| init_peer_err(r, world, waited, "sending the peer table", e))?;
+            write_frame(c, FRAME_PEERS, &table, deadline)
+                .map_err(|e| init_peer_err(r, world, waited, "sending the peer table", e))?;
         }
     }
 
@@ -821,16 +1011,27 @@ fn bootstrap_root(id: &CommId, world: usize, rdv: &Rendezvous, opts: &SocketOpti
             Ok((kind, body)) => {
                 return Err(CommError::Invalid {
                     op: "init",
-                    reason: format!("rank {r} sent frame kind {kind} instead of ready: {}", String::from_utf8_lossy(&body)),
+                    reason: format!(
+                        "rank {r} sent frame kind {kind} instead of ready: {}",
+                        String::from_utf8_lossy(&body)
+                    ),
                 });
             }
             Err(e) if is_timeout(&e) => {
                 let missing: Vec<usize> = (r..world).collect();
                 notify_init_failed(&conns, waited, &missing);
-                return Err(CommError::InitTimeout { waited, missing, world_size: world });
+                return Err(CommError::InitTimeout {
+                    waited,
+                    missing,
+                    world_size: world,
+                });
             }
             Err(e) => {
-                return Err(CommError::PeerFailed { peer: r, op: "init", reason: format!("while waiting for it to connect its peers: {e}") });
+                return Err(CommError::PeerFailed {
+                    peer: r,
+                    op: "init",
+                    reason: format!("while waiting for it to connect its peers: {e}"),
+                });
             }
         }
     }
@@ -851,7 +1052,12 @@ fn notify_init_failed(conns: &[Option<Conn>], waited: Duration, missing: &[usize
     }
 }
 
-fn bootstrap_peer(id: &CommId, rank: usize, world: usize, opts: &SocketOptions) -> CommResult<Vec<Option<Conn>>> {
+fn bootstrap_peer(
+    id: &CommId,
+    rank: usize,
+    world: usize,
+    opts: &SocketOptions,
+) -> CommResult<Vec<Option<Conn>>> {
     let waited = opts.init_timeout;
     let deadline = deadline_after(opts.init_timeout);
     let verdict_deadline = deadline + VERDICT_GRACE;
@@ -861,10 +1067,23 @@ fn bootstrap_peer(id: &CommId, rank: usize, world: usize, opts: &SocketOptions) 
     let conn0 = connect_retry(&id.addr, 0, deadline)?;
     let (listener, my_addr) = match (&conn0, &id.addr) {
         (Conn::Tcp(s), _) => {
-            let ip: IpAddr = s.local_addr().map_err(|e| io_ctx("init", "local_addr".into(), e))?.ip();
-            let l = TcpListener::bind((ip, 0)).map_err(|e| io_ctx("init", format!("bind mesh listener on {ip}"), e))?;
-            let port = l.local_addr().map_err(|e| io_ctx("init", "local_addr".into(), e))?.port();
-            (Listener::Tcp(l), RendezvousAddr::Tcp { host: ip.to_string(), port })
+            let ip: IpAddr = s
+                .local_addr()
+                .map_err(|e| io_ctx("init", "local_addr".into(), e))?
+                .ip();
+            let l = TcpListener::bind((ip, 0))
+                .map_err(|e| io_ctx("init", format!("bind mesh listener on {ip}"), e))?;
+            let port = l
+                .local_addr()
+                .map_err(|e| io_ctx("init", "local_addr".into(), e))?
+                .port();
+            (
+                Listener::Tcp(l),
+                RendezvousAddr::Tcp {
+                    host: ip.to_string(),
+                    port,
+                },
+            )
         }
         (Conn::Unix(_), RendezvousAddr::Unix(path)) => {
             let mut p = path.as_os_str().to_owned();
@@ -873,42 +1092,78 @@ fn bootstrap_peer(id: &CommId, rank: usize, world: usize, opts: &SocketOptions) 
             (Listener::bind_unix(&p, "init")?, RendezvousAddr::Unix(p))
         }
         (Conn::Unix(_), RendezvousAddr::Tcp { .. }) => {
-            return Err(CommError::Invalid { op: "init", reason: "unix connection for a tcp address".into() });
+            return Err(CommError::Invalid {
+                op: "init",
+                reason: "unix connection for a tcp address".into(),
+            });
         }
     };
     let hello = encode_hello(&id.nonce, rank, world, &my_addr.to_wire());
-    write_frame(&conn0, FRAME_HELLO, &hello, deadline).map_err(|e| init_peer_err(0, world, waited, "sending hello to rank 0", e))?;
+    write_frame(&conn0, FRAME_HELLO, &hello, deadline)
+        .map_err(|e| init_peer_err(0, world, waited, "sending hello to rank 0", e))?;
     let peers = match read_frame(&conn0, verdict_deadline) {
-        Ok((FRAME_PEERS, body)) => decode_peers(&body, world)
-            .map_err(|reason| CommError::Invalid { op: "init", reason: format!("bad peer table from rank 0: {reason}") })?,
+        Ok((FRAME_PEERS, body)) => {
+            decode_peers(&body, world).map_err(|reason| CommError::Invalid {
+                op: "init",
+                reason: format!("bad peer table from rank 0: {reason}"),
+            })?
+        }
         Ok((FRAME_REJECT, body)) => {
             return Err(CommError::Invalid {
                 op: "init",
-                reason: format!("rank 0 rejected rank {rank}: {}", String::from_utf8_lossy(&body)),
+                reason: format!(
+                    "rank 0 rejected rank {rank}: {}",
+                    String::from_utf8_lossy(&body)
+                ),
             });
         }
         Ok((FRAME_INIT_FAILED, body)) => return Err(decode_init_failed(&body, world)),
-        Ok((kind, _)) => return Err(CommError::Invalid { op: "init", reason: format!("unexpected frame kind {kind} from rank 0") }),
-        Err(e) => return Err(init_peer_err(0, world, waited, "waiting for the peer table from rank 0", e)),
+        Ok((kind, _)) => {
+            return Err(CommError::Invalid {
+                op: "init",
+                reason: format!("unexpected frame kind {kind} from rank 0"),
+            });
+        }
+        Err(e) => {
+            return Err(init_peer_err(
+                0,
+                world,
+                waited,
+                "waiting for the peer table from rank 0",
+                e,
+            ));
+        }
     };
     conns[0] = Some(conn0);
 
     // 2. Connect to every lower non-zero rank...
     for (s, peer_addr) in peers.iter().enumerate().take(rank).skip(1) {
         let Some(peer_addr) = peer_addr else {
-            return Err(CommError::Invalid { op: "init", reason: format!("peer table has no address for rank {s}") });
+            return Err(CommError::Invalid {
+                op: "init",
+                reason: format!("peer table has no address for rank {s}"),
+            });
         };
         let c = connect_retry(peer_addr, s, deadline)?;
-        write_frame(&c, FRAME_HELLO, &hello, deadline).map_err(|e| init_peer_err(s, world, waited, "sending hello", e))?;
+        write_frame(&c, FRAME_HELLO, &hello, deadline)
+            .map_err(|e| init_peer_err(s, world, waited, "sending hello", e))?;
         match read_frame(&c, deadline) {
             Ok((FRAME_ACCEPT, _)) => {}
             Ok((FRAME_REJECT, body)) => {
                 return Err(CommError::Invalid {
                     op: "init",
-                    reason: format!("rank {s} rejected rank {rank}: {}", String::from_utf8_lossy(&body)),
+                    reason: format!(
+                        "rank {s} rejected rank {rank}: {}",
+                        String::from_utf8_lossy(&body)
+                    ),
                 });
             }
-            Ok((kind, _)) => return Err(CommError::Invalid { op: "init", reason: format!("unexpected frame kind {kind} from rank {s}") }),
+            Ok((kind, _)) => {
+                return Err(CommError::Invalid {
+                    op: "init",
+                    reason: format!("unexpected frame kind {kind} from rank {s}"),
+                });
+            }
             Err(e) => return Err(init_peer_err(s, world, waited, "waiting for accept", e)),
         }
         debug!(rank, peer = s, %peer_addr, "mesh link up");
@@ -916,17 +1171,30 @@ fn bootstrap_peer(id: &CommId, rank: usize, world: usize, opts: &SocketOptions) 
     }
 
     // 3. ...and accept every higher rank.
-    listener.set_nonblocking(true).map_err(|e| io_ctx("init", "set listener non-blocking".into(), e))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| io_ctx("init", "set listener non-blocking".into(), e))?;
     while conns[rank + 1..].iter().any(Option::is_none) {
-        let accepted = listener.accept_until(deadline).map_err(|e| io_ctx("init", "accept on mesh listener".into(), e))?;
+        let accepted = listener
+            .accept_until(deadline)
+            .map_err(|e| io_ctx("init", "accept on mesh listener".into(), e))?;
         let Some((conn, from)) = accepted else {
-            return Err(CommError::InitTimeout { waited, missing: missing_ranks(&conns, rank + 1..world), world_size: world });
+            return Err(CommError::InitTimeout {
+                waited,
+                missing: missing_ranks(&conns, rank + 1..world),
+                world_size: world,
+            });
         };
-        let hs_deadline = deadline_after(HANDSHAKE_TIMEOUT).min(deadline.max(Instant::now() + Duration::from_millis(200)));
+        let hs_deadline = deadline_after(HANDSHAKE_TIMEOUT)
+            .min(deadline.max(Instant::now() + Duration::from_millis(200)));
         match read_hello(&conn, id, world, rank + 1..world, hs_deadline) {
-            Ok(h) if conns[h.rank].is_some() => reject(conn, &format!("rank {} already connected to rank {rank}", h.rank)),
+            Ok(h) if conns[h.rank].is_some() => reject(
+                conn,
+                &format!("rank {} already connected to rank {rank}", h.rank),
+            ),
             Ok(h) => {
-                write_frame(&conn, FRAME_ACCEPT, &[], deadline).map_err(|e| init_peer_err(h.rank, world, waited, "sending accept", e))?;
+                write_frame(&conn, FRAME_ACCEPT, &[], deadline)
+                    .map_err(|e| init_peer_err(h.rank, world, waited, "sending accept", e))?;
                 debug!(rank, peer = h.rank, %from, "mesh link up");
                 conns[h.rank] = Some(conn);
             }
@@ -940,14 +1208,27 @@ fn bootstrap_peer(id: &CommId, rank: usize, world: usize, opts: &SocketOptions) 
 
     // 4. Report ready and wait for rank 0 to release the group.
     let Some(c0) = &conns[0] else {
-        return Err(CommError::Invalid { op: "init", reason: "lost the rank 0 connection".into() });
+        return Err(CommError::Invalid {
+            op: "init",
+            reason: "lost the rank 0 connection".into(),
+        });
     };
-    write_frame(c0, FRAME_READY, &[], deadline).map_err(|e| init_peer_err(0, world, waited, "sending ready", e))?;
+    write_frame(c0, FRAME_READY, &[], deadline)
+        .map_err(|e| init_peer_err(0, world, waited, "sending ready", e))?;
     match read_frame(c0, verdict_deadline) {
         Ok((FRAME_GO, _)) => Ok(conns),
         Ok((FRAME_INIT_FAILED, body)) => Err(decode_init_failed(&body, world)),
-        Ok((kind, _)) => Err(CommError::Invalid { op: "init", reason: format!("unexpected frame kind {kind} from rank 0") }),
-        Err(e) => Err(init_peer_err(0, world, waited, "waiting for go from rank 0", e)),
+        Ok((kind, _)) => Err(CommError::Invalid {
+            op: "init",
+            reason: format!("unexpected frame kind {kind} from rank 0"),
+        }),
+        Err(e) => Err(init_peer_err(
+            0,
+            world,
+            waited,
+            "waiting for go from rank 0",
+            e,
+        )),
     }
 }
 
@@ -998,12 +1279,27 @@ struct WireHeader {
 }
 
 impl WireHeader {
-    fn new(op: OpCode, dtype: u8, dims: &[usize], seq: u64, param: u64, payload_len: usize) -> Self {
+    fn new(
+        op: OpCode,
+        dtype: u8,
+        dims: &[usize],
+        seq: u64,
+        param: u64,
+        payload_len: usize,
+    ) -> Self {
         let mut d = [0u64; MAX_DIMS];
         for (o, &x) in d.iter_mut().zip(dims) {
             *o = x as u64;
         }
-        Self { op: op as u8, dtype, ndims: dims.len() as u8, seq, param, payload_len: payload_len as u64, dims: d }
+        Self {
+            op: op as u8,
+            dtype,
+            ndims: dims.len() as u8,
+            seq,
+            param,
+            payload_len: payload_len as u64,
+            dims: d,
+        }
     }
 
     fn encode(&self) -> [u8; HDR_LEN] {
@@ -1037,7 +1333,15 @@ impl WireHeader {
         for (i, d) in dims.iter_mut().enumerate() {
             *d = u64_at(32 + 8 * i);
         }
-        Ok(Self { op: b[4], dtype: b[5], ndims: b[6], seq: u64_at(8), param: u64_at(16), payload_len: u64_at(24), dims })
+        Ok(Self {
+            op: b[4],
+            dtype: b[5],
+            ndims: b[6],
+            seq: u64_at(8),
+            param: u64_at(16),
+            payload_len: u64_at(24),
+            dims,
+        })
     }
 
     fn dims(&self) -> &[u64] {
@@ -1101,7 +1405,10 @@ fn cast_slice<'a, T: Pod>(op: &'static str, b: &'a [u8]) -> CommResult<&'a [T]> 
     // SAFETY: every bit pattern is a valid T; alignment and length are checked below.
     let (pre, mid, post) = unsafe { b.align_to::<T>() };
     if !pre.is_empty() || !post.is_empty() {
-        return Err(CommError::Invalid { op, reason: "misaligned or truncated buffer".into() });
+        return Err(CommError::Invalid {
+            op,
+            reason: "misaligned or truncated buffer".into(),
+        });
     }
     Ok(mid)
 }
@@ -1137,8 +1444,10 @@ macro_rules! buf_dispatch {
 
 fn zeroed_vec<T: Pod>(op: &'static str, n: usize, zero: T) -> CommResult<Vec<T>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|e| CommError::Invalid { op, reason: format!("cannot allocate {n} elements: {e}") })?;
+    v.try_reserve_exact(n).map_err(|e| CommError::Invalid {
+        op,
+        reason: format!("cannot allocate {n} elements: {e}"),
+    })?;
     v.resize(n, zero);
     Ok(v)
 }
@@ -1155,7 +1464,12 @@ impl Buf {
             DType::F16 => Self::F16(zeroed_vec(op, n, f16::ZERO)?),
             DType::F32 => Self::F32(zeroed_vec(op, n, 0.0)?),
             DType::F64 => Self::F64(zeroed_vec(op, n, 0.0)?),
-            other => return Err(CommError::Invalid { op, reason: format!("unsupported dtype {other:?}") }),
+            other => {
+                return Err(CommError::Invalid {
+                    op,
+                    reason: format!("unsupported dtype {other:?}"),
+                });
+            }
         })
     }
 
@@ -1176,11 +1490,17 @@ impl Buf {
 /// The contiguous bytes of a CPU tensor's storage.
 fn cpu_bytes<'a>(op: &'static str, storage: &'a Storage, layout: &Layout) -> CommResult<&'a [u8]> {
     let Storage::Cpu(cpu) = storage else {
-        return Err(CommError::Invalid { op, reason: "tensor is not on the CPU".into() });
+        return Err(CommError::Invalid {
+            op,
+            reason: "tensor is not on the CPU".into(),
+        });
     };
     let (start, end) = layout
         .contiguous_offsets()
-        .ok_or_else(|| CommError::Invalid { op, reason: "tensor is not contiguous".into() })?;
+        .ok_or_else(|| CommError::Invalid {
+            op,
+            reason: "tensor is not contiguous".into(),
+        })?;
     macro_rules! view {
         ($v:expr) => {
             $v.get(start..end).map(as_bytes)
@@ -1196,19 +1516,33 @@ fn cpu_bytes<'a>(op: &'static str, storage: &'a Storage, layout: &Layout) -> Com
         CpuStorage::F16(v) => view!(v),
         CpuStorage::F32(v) => view!(v),
         CpuStorage::F64(v) => view!(v),
-        _ => return Err(CommError::Invalid { op, reason: "unsupported dtype".into() }),
+        _ => {
+            return Err(CommError::Invalid {
+                op,
+                reason: "unsupported dtype".into(),
+            });
+        }
     };
-    bytes.ok_or_else(|| CommError::Invalid { op, reason: "tensor layout is out of its storage's bounds".into() })
+    bytes.ok_or_else(|| CommError::Invalid {
+        op,
+        reason: "tensor layout is out of its storage's bounds".into(),
+    })
 }
 
 /// Sum of `parts` (one per rank, in rank order), accumulated left to right so that every rank
 /// computes bit-identical results. Half types accumulate in f32 and round once at the end.
 fn reduce_sum(op: &'static str, dtype: DType, parts: &[&[u8]]) -> CommResult<Buf> {
     let Some(first) = parts.first() else {
-        return Err(CommError::Invalid { op, reason: "nothing to reduce".into() });
+        return Err(CommError::Invalid {
+            op,
+            reason: "nothing to reduce".into(),
+        });
     };
     if parts.iter().any(|p| p.len() != first.len()) {
-        return Err(CommError::Invalid { op, reason: "buffers of different sizes".into() });
+        return Err(CommError::Invalid {
+            op,
+            reason: "buffers of different sizes".into(),
+        });
     }
     fn typed<'a, T: Pod>(op: &'static str, parts: &[&'a [u8]]) -> CommResult<Vec<&'a [T]>> {
         parts.iter().map(|p| cast_slice::<T>(op, p)).collect()
@@ -1247,21 +1581,42 @@ fn reduce_sum(op: &'static str, dtype: DType, parts: &[&[u8]]) -> CommResult<Buf
     Ok(match dtype {
         DType::F32 => Buf::F32(native(&typed::<f32>(op, parts)?, |a, b| a + b)),
         DType::F64 => Buf::F64(native(&typed::<f64>(op, parts)?, |a, b| a + b)),
-        DType::BF16 => Buf::BF16(via_f32(&typed::<bf16>(op, parts)?, bf16::to_f32, bf16::from_f32)),
-        DType::F16 => Buf::F16(via_f32(&typed::<f16>(op, parts)?, f16::to_f32, f16::from_f32)),
+        DType::BF16 => Buf::BF16(via_f32(
+            &typed::<bf16>(op, parts)?,
+            bf16::to_f32,
+            bf16::from_f32,
+        )),
+        DType::F16 => Buf::F16(via_f32(
+            &typed::<f16>(op, parts)?,
+            f16::to_f32,
+            f16::from_f32,
+        )),
         DType::U8 => Buf::U8(native(&typed::<u8>(op, parts)?, u8::wrapping_add)),
         DType::U32 => Buf::U32(native(&typed::<u32>(op, parts)?, u32::wrapping_add)),
         DType::I16 => Buf::I16(native(&typed::<i16>(op, parts)?, i16::wrapping_add)),
         DType::I32 => Buf::I32(native(&typed::<i32>(op, parts)?, i32::wrapping_add)),
         DType::I64 => Buf::I64(native(&typed::<i64>(op, parts)?, i64::wrapping_add)),
-        other => return Err(CommError::Invalid { op, reason: format!("cannot sum dtype {other:?}") }),
+        other => {
+            return Err(CommError::Invalid {
+                op,
+                reason: format!("cannot sum dtype {other:?}"),
+            });
+        }
     })
 }
 
 /// Concatenates row-major chunks (one per rank, in rank order) along `dim`.
-fn concat(op: &'static str, dtype: DType, parts: &[(&[u8], Vec<usize>)], dim: usize) -> CommResult<(Buf, Vec<usize>)> {
+fn concat(
+    op: &'static str,
+    dtype: DType,
+    parts: &[(&[u8], Vec<usize>)],
+    dim: usize,
+) -> CommResult<(Buf, Vec<usize>)> {
     let Some((_, first_dims)) = parts.first() else {
-        return Err(CommError::Invalid { op, reason: "nothing to gather".into() });
+        return Err(CommError::Invalid {
+            op,
+            reason: "nothing to gather".into(),
+        });
     };
     let es = dtype.size_in_bytes();
     let mut out_dims = first_dims.clone();
@@ -1276,10 +1631,16 @@ fn concat(op: &'static str, dtype: DType, parts: &[(&[u8], Vec<usize>)], dim: us
             let inner = dims[dim..].iter().product::<usize>() * es;
             let src = bytes
                 .get(o * inner..(o + 1) * inner)
-                .ok_or_else(|| CommError::Invalid { op, reason: "chunk shorter than its shape".into() })?;
+                .ok_or_else(|| CommError::Invalid {
+                    op,
+                    reason: "chunk shorter than its shape".into(),
+                })?;
             let d = dst
                 .get_mut(pos..pos + inner)
-                .ok_or_else(|| CommError::Invalid { op, reason: "gathered chunks overflow the output".into() })?;
+                .ok_or_else(|| CommError::Invalid {
+                    op,
+                    reason: "gathered chunks overflow the output".into(),
+                })?;
             d.copy_from_slice(src);
             pos += inner;
         }
@@ -1316,7 +1677,15 @@ struct RecvJob {
 
 impl RecvJob {
     fn new(peer: usize) -> Self {
-        Self { peer, hdr: [0; HDR_LEN], hdr_got: 0, header: None, data: None, got: 0, done: false }
+        Self {
+            peer,
+            hdr: [0; HDR_LEN],
+            hdr_got: 0,
+            header: None,
+            data: None,
+            got: 0,
+            done: false,
+        }
     }
 }
 
@@ -1345,7 +1714,13 @@ struct Expect<'a> {
 }
 
 impl Expect<'_> {
-    fn check(&self, op: &'static str, me: usize, peer: usize, h: &WireHeader) -> CommResult<Option<(DType, Vec<usize>)>> {
+    fn check(
+        &self,
+        op: &'static str,
+        me: usize,
+        peer: usize,
+        h: &WireHeader,
+    ) -> CommResult<Option<(DType, Vec<usize>)>> {
         let invalid = |reason: String| CommError::Invalid { op, reason };
         if h.op != self.op as u8 {
             return Err(invalid(format!(
@@ -1354,7 +1729,10 @@ impl Expect<'_> {
             )));
         }
         if h.seq != self.seq {
-            return Err(invalid(format!("rank {peer} is at collective #{} but rank {me} is at #{} (ranks out of step)", h.seq, self.seq)));
+            return Err(invalid(format!(
+                "rank {peer} is at collective #{} but rank {me} is at #{} (ranks out of step)",
+                h.seq, self.seq
+            )));
         }
         if h.param != self.param {
             let what = match self.op {
@@ -1362,36 +1740,64 @@ impl Expect<'_> {
                 OpCode::Gather => "dim/root",
                 _ => "dim",
             };
-            return Err(invalid(format!("rank {peer} passed a different {what} than rank {me}")));
+            return Err(invalid(format!(
+                "rank {peer} passed a different {what} than rank {me}"
+            )));
         }
         if h.dtype != self.dtype {
-            let name = |c: u8| code_dtype(c).map_or_else(|| format!("code {c}"), |d| format!("{d:?}"));
-            return Err(invalid(format!("dtype mismatch: rank {peer} sent {} but rank {me} has {}", name(h.dtype), name(self.dtype))));
+            let name =
+                |c: u8| code_dtype(c).map_or_else(|| format!("code {c}"), |d| format!("{d:?}"));
+            return Err(invalid(format!(
+                "dtype mismatch: rank {peer} sent {} but rank {me} has {}",
+                name(h.dtype),
+                name(self.dtype)
+            )));
         }
         if self.op == OpCode::Barrier {
             if h.payload_len != 0 {
-                return Err(invalid(format!("rank {peer} sent a barrier with a payload")));
+                return Err(invalid(format!(
+                    "rank {peer} sent a barrier with a payload"
+                )));
             }
             return Ok(None);
         }
         let peer_dims = h.dims();
         let same = peer_dims.len() == self.dims.len()
-            && peer_dims.iter().zip(self.dims).enumerate().all(|(i, (&a, &b))| Some(i) == self.free_dim || a == b as u64);
+            && peer_dims
+                .iter()
+                .zip(self.dims)
+                .enumerate()
+                .all(|(i, (&a, &b))| Some(i) == self.free_dim || a == b as u64);
         if !same {
-            return Err(invalid(format!("shape mismatch: rank {peer} sent {peer_dims:?} but rank {me} has {:?}", self.dims)));
+            return Err(invalid(format!(
+                "shape mismatch: rank {peer} sent {peer_dims:?} but rank {me} has {:?}",
+                self.dims
+            )));
         }
-        let dtype = code_dtype(h.dtype).ok_or_else(|| invalid(format!("unknown dtype code {}", h.dtype)))?;
+        let dtype = code_dtype(h.dtype)
+            .ok_or_else(|| invalid(format!("unknown dtype code {}", h.dtype)))?;
         let dims: Vec<usize> = peer_dims
             .iter()
             .map(|&d| usize::try_from(d))
             .collect::<Result<_, _>>()
-            .map_err(|_| invalid(format!("rank {peer} sent an impossible shape {peer_dims:?}")))?;
+            .map_err(|_| {
+                invalid(format!(
+                    "rank {peer} sent an impossible shape {peer_dims:?}"
+                ))
+            })?;
         let bytes = dims
             .iter()
             .try_fold(dtype.size_in_bytes(), |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| invalid(format!("rank {peer} sent an impossible shape {peer_dims:?}")))?;
+            .ok_or_else(|| {
+                invalid(format!(
+                    "rank {peer} sent an impossible shape {peer_dims:?}"
+                ))
+            })?;
         if h.payload_len != bytes as u64 {
-            return Err(invalid(format!("rank {peer} sent {} payload bytes for shape {dims:?}", h.payload_len)));
+            return Err(invalid(format!(
+                "rank {peer} sent {} payload bytes for shape {dims:?}",
+                h.payload_len
+            )));
         }
         Ok(Some((dtype, dims)))
     }
@@ -1430,8 +1836,14 @@ fn recv_nb(fd: RawFd, buf: &mut [u8]) -> io::Result<Option<usize>> {
 
 fn sendv_nb(fd: RawFd, a: &[u8], b: &[u8]) -> io::Result<Option<usize>> {
     let mut iov = [
-        libc::iovec { iov_base: a.as_ptr() as *mut libc::c_void, iov_len: a.len() },
-        libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() },
+        libc::iovec {
+            iov_base: a.as_ptr() as *mut libc::c_void,
+            iov_len: a.len(),
+        },
+        libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        },
     ];
     let cnt = if a.is_empty() { 0 } else { 1 } + if b.is_empty() { 0 } else { 1 };
     let first = if a.is_empty() { 1 } else { 0 };
@@ -1507,7 +1919,9 @@ impl SocketCollective {
             return Err(invalid(format!("bad world size {world_size}")));
         }
         if rank >= world_size {
-            return Err(invalid(format!("rank {rank} out of range for world size {world_size}")));
+            return Err(invalid(format!(
+                "rank {rank} out of range for world size {world_size}"
+            )));
         }
         if options.op_timeout.is_zero() || options.init_timeout.is_zero() {
             return Err(invalid("timeouts must be non-zero".into()));
@@ -1515,24 +1929,47 @@ impl SocketCollective {
         let peers = match (rank, rendezvous) {
             (0, Some(rdv)) => {
                 if rdv.id != *id {
-                    return Err(invalid(format!("rendezvous belongs to {} but init was given {id}", rdv.id)));
+                    return Err(invalid(format!(
+                        "rendezvous belongs to {} but init was given {id}",
+                        rdv.id
+                    )));
                 }
                 let peers = bootstrap_root(id, world_size, &rdv, &options)?;
                 drop(rdv);
                 peers
             }
-            (0, None) => return Err(invalid("rank 0 must be given the Rendezvous returned by create_comm_id".into())),
-            (_, Some(_)) => return Err(invalid(format!("rank {rank} was given a Rendezvous; only rank 0 holds it"))),
+            (0, None) => {
+                return Err(invalid(
+                    "rank 0 must be given the Rendezvous returned by create_comm_id".into(),
+                ));
+            }
+            (_, Some(_)) => {
+                return Err(invalid(format!(
+                    "rank {rank} was given a Rendezvous; only rank 0 holds it"
+                )));
+            }
             (_, None) => bootstrap_peer(id, rank, world_size, &options)?,
         };
         for c in peers.iter().flatten() {
             // Back to blocking with no timeouts; the data path uses MSG_DONTWAIT + poll.
-            c.set_timeouts(None).map_err(|e| io_ctx("init", "clear socket timeouts".into(), e))?;
+            c.set_timeouts(None)
+                .map_err(|e| io_ctx("init", "clear socket timeouts".into(), e))?;
         }
-        let (wake_rx, wake_tx) = UnixStream::pair().map_err(|e| io_ctx("init", "create wake-up pipe".into(), e))?;
-        wake_tx.set_nonblocking(true).map_err(|e| io_ctx("init", "set wake-up pipe non-blocking".into(), e))?;
+        let (wake_rx, wake_tx) =
+            UnixStream::pair().map_err(|e| io_ctx("init", "create wake-up pipe".into(), e))?;
+        wake_tx
+            .set_nonblocking(true)
+            .map_err(|e| io_ctx("init", "set wake-up pipe non-blocking".into(), e))?;
         let stages = (0..world_size)
-            .map(|r| RxStage { buf: if r == rank { Vec::new() } else { vec![0u8; STAGE_LEN] }, start: 0, end: 0 })
+            .map(|r| RxStage {
+                buf: if r == rank {
+                    Vec::new()
+                } else {
+                    vec![0u8; STAGE_LEN]
+                },
+                start: 0,
+                end: 0,
+            })
             .collect();
         debug!(rank, world_size, id = %id, "communicator ready");
         Ok(Self {
@@ -1553,7 +1990,10 @@ impl SocketCollective {
             return Err(CommError::Aborted);
         }
         if let Some(p) = self.poison.get() {
-            let reason = format!("communicator unusable after an earlier failure in {}: {}", p.op, p.message);
+            let reason = format!(
+                "communicator unusable after an earlier failure in {}: {}",
+                p.op, p.message
+            );
             return Err(match p.peer {
                 Some(peer) => CommError::PeerFailed { peer, op, reason },
                 None => CommError::Invalid { op, reason },
@@ -1572,7 +2012,15 @@ impl SocketCollective {
             CommError::PeerFailed { peer, .. } | CommError::Timeout { peer, .. } => Some(*peer),
             _ => None,
         };
-        if self.poison.set(Poison { op, peer, message: err.to_string() }).is_ok() {
+        if self
+            .poison
+            .set(Poison {
+                op,
+                peer,
+                message: err.to_string(),
+            })
+            .is_ok()
+        {
             warn!(rank = self.rank, op, error = %err, "collective failed; communicator is now unusable");
             for c in self.peers.iter().flatten() {
                 c.shutdown();
@@ -1583,7 +2031,11 @@ impl SocketCollective {
 
     /// Runs one collective: checks the communicator is usable, takes the op lock, bumps the
     /// sequence number, and poisons the communicator on failure.
-    fn run<R>(&self, op: &'static str, f: impl FnOnce(&mut OpState) -> CommResult<R>) -> CommResult<R> {
+    fn run<R>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce(&mut OpState) -> CommResult<R>,
+    ) -> CommResult<R> {
         self.check_usable(op)?;
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         self.check_usable(op)?;
@@ -1595,15 +2047,25 @@ impl SocketCollective {
         self.peers
             .get(peer)
             .and_then(Option::as_ref)
-            .ok_or_else(|| CommError::Invalid { op, reason: format!("no connection to rank {peer}") })
+            .ok_or_else(|| CommError::Invalid {
+                op,
+                reason: format!("no connection to rank {peer}"),
+            })
     }
 
     fn peer_io(&self, op: &'static str, peer: usize, what: &str, e: io::Error) -> CommError {
         match e.raw_os_error() {
             Some(libc::ECONNRESET | libc::EPIPE | libc::ENOTCONN | libc::ECONNABORTED) => {
-                CommError::PeerFailed { peer, op, reason: format!("{what} rank {peer}: {e}") }
+                CommError::PeerFailed {
+                    peer,
+                    op,
+                    reason: format!("{what} rank {peer}: {e}"),
+                }
             }
-            _ => CommError::Io { op, source: io::Error::new(e.kind(), format!("{what} rank {peer}: {e}")) },
+            _ => CommError::Io {
+                op,
+                source: io::Error::new(e.kind(), format!("{what} rank {peer}: {e}")),
+            },
         }
     }
 
@@ -1627,24 +2089,35 @@ impl SocketCollective {
         Ok(progressed)
     }
 
-    fn progress_recv(&self, op: &'static str, job: &mut RecvJob, stage: &mut RxStage, expect: &Expect<'_>) -> CommResult<bool> {
+    fn progress_recv(
+        &self,
+        op: &'static str,
+        job: &mut RecvJob,
+        stage: &mut RxStage,
+        expect: &Expect<'_>,
+    ) -> CommResult<bool> {
         let fd = self.conn(op, job.peer)?.fd();
         let peer = job.peer;
         let eof = || CommError::PeerFailed {
             peer,
             op,
-            reason: format!("rank {peer} closed the connection (it exited, aborted, or hit an error)"),
+            reason: format!(
+                "rank {peer} closed the connection (it exited, aborted, or hit an error)"
+            ),
         };
         let mut progressed = false;
         while job.header.is_none() {
             let avail = stage.end - stage.start;
             let take = avail.min(HDR_LEN - job.hdr_got);
-            job.hdr[job.hdr_got..job.hdr_got + take].copy_from_slice(&stage.buf[stage.start..stage.start + take]);
+            job.hdr[job.hdr_got..job.hdr_got + take]
+                .copy_from_slice(&stage.buf[stage.start..stage.start + take]);
             job.hdr_got += take;
             stage.start += take;
             if job.hdr_got == HDR_LEN {
-                let h = WireHeader::decode(&job.hdr)
-                    .map_err(|r| CommError::Invalid { op, reason: format!("garbled header from rank {peer}: {r}") })?;
+                let h = WireHeader::decode(&job.hdr).map_err(|r| CommError::Invalid {
+                    op,
+                    reason: format!("garbled header from rank {peer}: {r}"),
+                })?;
                 if let Some((dtype, dims)) = expect.check(op, self.rank, peer, &h)? {
                     job.data = Some(Buf::zeroed(op, dtype, dims.iter().product())?);
                 }
@@ -1654,7 +2127,9 @@ impl SocketCollective {
             // The stage is drained: refill it.
             stage.start = 0;
             stage.end = 0;
-            match recv_nb(fd, &mut stage.buf).map_err(|e| self.peer_io(op, peer, "receiving from", e))? {
+            match recv_nb(fd, &mut stage.buf)
+                .map_err(|e| self.peer_io(op, peer, "receiving from", e))?
+            {
                 Some(0) => return Err(eof()),
                 Some(n) => {
                     stage.end = n;
@@ -1667,11 +2142,14 @@ impl SocketCollective {
             let dst = data.bytes_mut();
             let avail = stage.end - stage.start;
             let take = avail.min(dst.len() - job.got);
-            dst[job.got..job.got + take].copy_from_slice(&stage.buf[stage.start..stage.start + take]);
+            dst[job.got..job.got + take]
+                .copy_from_slice(&stage.buf[stage.start..stage.start + take]);
             job.got += take;
             stage.start += take;
             while job.got < dst.len() {
-                match recv_nb(fd, &mut dst[job.got..]).map_err(|e| self.peer_io(op, peer, "receiving from", e))? {
+                match recv_nb(fd, &mut dst[job.got..])
+                    .map_err(|e| self.peer_io(op, peer, "receiving from", e))?
+                {
                     Some(0) => return Err(eof()),
                     Some(n) => {
                         job.got += n;
@@ -1707,20 +2185,27 @@ impl SocketCollective {
                 progressed |= self.progress_send(op, job)?;
             }
             for job in recvs.iter_mut().filter(|j| !j.done) {
-                let stage = stages
-                    .get_mut(job.peer)
-                    .ok_or_else(|| CommError::Invalid { op, reason: format!("no receive stage for rank {}", job.peer) })?;
+                let stage = stages.get_mut(job.peer).ok_or_else(|| CommError::Invalid {
+                    op,
+                    reason: format!("no receive stage for rank {}", job.peer),
+                })?;
                 progressed |= self.progress_recv(op, job, stage, expect)?;
             }
             let pending_recv = recvs.iter().find(|j| !j.done).map(|j| j.peer);
             let pending_send = sends.iter().find(|j| !j.done()).map(|j| j.peer);
-            let Some(blocking_peer) = pending_recv.or(pending_send) else { return Ok(()) };
+            let Some(blocking_peer) = pending_recv.or(pending_send) else {
+                return Ok(());
+            };
             if progressed {
                 last_progress = Instant::now();
             }
             let idle = last_progress.elapsed();
             if idle >= self.op_timeout {
-                return Err(CommError::Timeout { op, peer: blocking_peer, waited: idle });
+                return Err(CommError::Timeout {
+                    op,
+                    peer: blocking_peer,
+                    waited: idle,
+                });
             }
 
             events.iter_mut().for_each(|e| *e = 0);
@@ -1731,14 +2216,28 @@ impl SocketCollective {
                 events[j.peer] |= libc::POLLIN;
             }
             fds.clear();
-            fds.push(libc::pollfd { fd: self.wake_rx.as_raw_fd(), events: libc::POLLIN, revents: 0 });
+            fds.push(libc::pollfd {
+                fd: self.wake_rx.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
             for (peer, &ev) in events.iter().enumerate() {
                 if ev != 0 {
-                    fds.push(libc::pollfd { fd: self.conn(op, peer)?.fd(), events: ev, revents: 0 });
+                    fds.push(libc::pollfd {
+                        fd: self.conn(op, peer)?.fd(),
+                        events: ev,
+                        revents: 0,
+                    });
                 }
             }
             // SAFETY: fds is a valid array of fds.len() pollfds.
-            let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms(self.op_timeout - idle)) };
+            let rc = unsafe {
+                libc::poll(
+                    fds.as_mut_ptr(),
+                    fds.len() as libc::nfds_t,
+                    timeout_ms(self.op_timeout - idle),
+                )
+            };
             if rc < 0 {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::Interrupted {
@@ -1758,8 +2257,23 @@ impl SocketCollective {
         let (guard, layout) = t.storage_and_layout();
         let own = cpu_bytes(OP, &guard, layout)?;
         let hdr = WireHeader::new(OpCode::AllReduce, code, &dims, st.seq, 0, own.len()).encode();
-        let expect = Expect { op: OpCode::AllReduce, seq: st.seq, param: 0, dtype: code, dims: &dims, free_dim: None };
-        let mut sends: Vec<SendJob<'_>> = self.peer_ranks().map(|peer| SendJob { peer, hdr, payload: own, sent: 0 }).collect();
+        let expect = Expect {
+            op: OpCode::AllReduce,
+            seq: st.seq,
+            param: 0,
+            dtype: code,
+            dims: &dims,
+            free_dim: None,
+        };
+        let mut sends: Vec<SendJob<'_>> = self
+            .peer_ranks()
+            .map(|peer| SendJob {
+                peer,
+                hdr,
+                payload: own,
+                sent: 0,
+            })
+            .collect();
         let mut recvs: Vec<RecvJob> = self.peer_ranks().map(RecvJob::new).collect();
         self.exchange(OP, &mut st.stages, &mut sends, &mut recvs, &expect)?;
         let mut parts: Vec<&[u8]> = Vec::with_capacity(self.world_size);
@@ -1768,7 +2282,11 @@ impl SocketCollective {
             if r == self.rank {
                 parts.push(own);
             } else {
-                parts.push(it.next().and_then(|j| j.data.as_ref()).map_or(&[][..], Buf::bytes));
+                parts.push(
+                    it.next()
+                        .and_then(|j| j.data.as_ref())
+                        .map_or(&[][..], Buf::bytes),
+                );
             }
         }
         let out = reduce_sum(OP, t.dtype(), &parts)?;
@@ -1778,29 +2296,72 @@ impl SocketCollective {
     }
 
     /// all_gather (`root` None) and gather (`root` Some).
-    fn gather_cpu(&self, st: &mut OpState, t: &Tensor, dim: usize, root: Option<usize>) -> CommResult<Option<Tensor>> {
-        let (op, opcode) = if root.is_some() { ("gather", OpCode::Gather) } else { ("all_gather", OpCode::AllGather) };
+    fn gather_cpu(
+        &self,
+        st: &mut OpState,
+        t: &Tensor,
+        dim: usize,
+        root: Option<usize>,
+    ) -> CommResult<Option<Tensor>> {
+        let (op, opcode) = if root.is_some() {
+            ("gather", OpCode::Gather)
+        } else {
+            ("all_gather", OpCode::AllGather)
+        };
         let (code, dims) = wire_meta(op, t)?;
         if dim >= dims.len() {
-            return Err(CommError::Invalid { op, reason: format!("dim {dim} out of range for a {}-d tensor", dims.len()) });
+            return Err(CommError::Invalid {
+                op,
+                reason: format!("dim {dim} out of range for a {}-d tensor", dims.len()),
+            });
         }
         if let Some(root) = root
             && root >= self.world_size
         {
-            return Err(CommError::Invalid { op, reason: format!("root {root} out of range for world size {}", self.world_size) });
+            return Err(CommError::Invalid {
+                op,
+                reason: format!(
+                    "root {root} out of range for world size {}",
+                    self.world_size
+                ),
+            });
         }
         let param = dim as u64 | (root.map_or(0, |r| r as u64) << 32);
         let (guard, layout) = t.storage_and_layout();
         let own = cpu_bytes(op, &guard, layout)?;
         let hdr = WireHeader::new(opcode, code, &dims, st.seq, param, own.len()).encode();
-        let expect = Expect { op: opcode, seq: st.seq, param, dtype: code, dims: &dims, free_dim: Some(dim) };
+        let expect = Expect {
+            op: opcode,
+            seq: st.seq,
+            param,
+            dtype: code,
+            dims: &dims,
+            free_dim: Some(dim),
+        };
         let receiver = root.is_none_or(|r| r == self.rank);
         let mut sends: Vec<SendJob<'_>> = match root {
-            None => self.peer_ranks().map(|peer| SendJob { peer, hdr, payload: own, sent: 0 }).collect(),
-            Some(r) if r != self.rank => vec![SendJob { peer: r, hdr, payload: own, sent: 0 }],
+            None => self
+                .peer_ranks()
+                .map(|peer| SendJob {
+                    peer,
+                    hdr,
+                    payload: own,
+                    sent: 0,
+                })
+                .collect(),
+            Some(r) if r != self.rank => vec![SendJob {
+                peer: r,
+                hdr,
+                payload: own,
+                sent: 0,
+            }],
             Some(_) => Vec::new(),
         };
-        let mut recvs: Vec<RecvJob> = if receiver { self.peer_ranks().map(RecvJob::new).collect() } else { Vec::new() };
+        let mut recvs: Vec<RecvJob> = if receiver {
+            self.peer_ranks().map(RecvJob::new).collect()
+        } else {
+            Vec::new()
+        };
         self.exchange(op, &mut st.stages, &mut sends, &mut recvs, &expect)?;
         if !receiver {
             return Ok(None);
@@ -1811,8 +2372,15 @@ impl SocketCollective {
             if r == self.rank {
                 parts.push((own, dims.clone()));
             } else {
-                let job = it.next().ok_or_else(|| CommError::Invalid { op, reason: "missing receive".into() })?;
-                let pd = job.header.as_ref().map(|h| h.dims().iter().map(|&d| d as usize).collect()).unwrap_or_default();
+                let job = it.next().ok_or_else(|| CommError::Invalid {
+                    op,
+                    reason: "missing receive".into(),
+                })?;
+                let pd = job
+                    .header
+                    .as_ref()
+                    .map(|h| h.dims().iter().map(|&d| d as usize).collect())
+                    .unwrap_or_default();
                 parts.push((job.data.as_ref().map_or(&[][..], Buf::bytes), pd));
             }
         }
@@ -1822,25 +2390,62 @@ impl SocketCollective {
         Ok(Some(out.into_tensor(&out_dims)?))
     }
 
-    fn broadcast_cpu(&self, st: &mut OpState, t: &Tensor, root: usize) -> CommResult<Option<Tensor>> {
+    fn broadcast_cpu(
+        &self,
+        st: &mut OpState,
+        t: &Tensor,
+        root: usize,
+    ) -> CommResult<Option<Tensor>> {
         const OP: &str = "broadcast";
         if root >= self.world_size {
-            return Err(CommError::Invalid { op: OP, reason: format!("root {root} out of range for world size {}", self.world_size) });
+            return Err(CommError::Invalid {
+                op: OP,
+                reason: format!(
+                    "root {root} out of range for world size {}",
+                    self.world_size
+                ),
+            });
         }
         let (code, dims) = wire_meta(OP, t)?;
-        let expect = Expect { op: OpCode::Broadcast, seq: st.seq, param: root as u64, dtype: code, dims: &dims, free_dim: None };
+        let expect = Expect {
+            op: OpCode::Broadcast,
+            seq: st.seq,
+            param: root as u64,
+            dtype: code,
+            dims: &dims,
+            free_dim: None,
+        };
         if root == self.rank {
             let (guard, layout) = t.storage_and_layout();
             let own = cpu_bytes(OP, &guard, layout)?;
-            let hdr = WireHeader::new(OpCode::Broadcast, code, &dims, st.seq, root as u64, own.len()).encode();
-            let mut sends: Vec<SendJob<'_>> = self.peer_ranks().map(|peer| SendJob { peer, hdr, payload: own, sent: 0 }).collect();
+            let hdr = WireHeader::new(
+                OpCode::Broadcast,
+                code,
+                &dims,
+                st.seq,
+                root as u64,
+                own.len(),
+            )
+            .encode();
+            let mut sends: Vec<SendJob<'_>> = self
+                .peer_ranks()
+                .map(|peer| SendJob {
+                    peer,
+                    hdr,
+                    payload: own,
+                    sent: 0,
+                })
+                .collect();
             self.exchange(OP, &mut st.stages, &mut sends, &mut [], &expect)?;
             Ok(None)
         } else {
             let mut recvs = [RecvJob::new(root)];
             self.exchange(OP, &mut st.stages, &mut [], &mut recvs, &expect)?;
             let [job] = recvs;
-            let data = job.data.ok_or_else(|| CommError::Invalid { op: OP, reason: "no data received".into() })?;
+            let data = job.data.ok_or_else(|| CommError::Invalid {
+                op: OP,
+                reason: "no data received".into(),
+            })?;
             Ok(Some(data.into_tensor(&dims)?))
         }
     }
@@ -1848,8 +2453,23 @@ impl SocketCollective {
     fn barrier_impl(&self, st: &mut OpState) -> CommResult<()> {
         const OP: &str = "barrier";
         let hdr = WireHeader::new(OpCode::Barrier, 0, &[], st.seq, 0, 0).encode();
-        let expect = Expect { op: OpCode::Barrier, seq: st.seq, param: 0, dtype: 0, dims: &[], free_dim: None };
-        let mut sends: Vec<SendJob<'_>> = self.peer_ranks().map(|peer| SendJob { peer, hdr, payload: &[], sent: 0 }).collect();
+        let expect = Expect {
+            op: OpCode::Barrier,
+            seq: st.seq,
+            param: 0,
+            dtype: 0,
+            dims: &[],
+            free_dim: None,
+        };
+        let mut sends: Vec<SendJob<'_>> = self
+            .peer_ranks()
+            .map(|peer| SendJob {
+                peer,
+                hdr,
+                payload: &[],
+                sent: 0,
+            })
+            .collect();
         let mut recvs: Vec<RecvJob> = self.peer_ranks().map(RecvJob::new).collect();
         self.exchange(OP, &mut st.stages, &mut sends, &mut recvs, &expect)
     }
@@ -1857,10 +2477,19 @@ impl SocketCollective {
 
 /// Dtype code and dims of a tensor about to go on the wire.
 fn wire_meta(op: &'static str, t: &Tensor) -> CommResult<(u8, Vec<usize>)> {
-    let code = dtype_code(t.dtype()).ok_or_else(|| CommError::Invalid { op, reason: format!("unsupported dtype {:?}", t.dtype()) })?;
+    let code = dtype_code(t.dtype()).ok_or_else(|| CommError::Invalid {
+        op,
+        reason: format!("unsupported dtype {:?}", t.dtype()),
+    })?;
     let dims = t.dims().to_vec();
     if dims.len() > MAX_DIMS {
-        return Err(CommError::Invalid { op, reason: format!("{}-d tensor; at most {MAX_DIMS} dims are supported", dims.len()) });
+        return Err(CommError::Invalid {
+            op,
+            reason: format!(
+                "{}-d tensor; at most {MAX_DIMS} dims are supported",
+                dims.len()
+            ),
+        });
     }
     Ok((code, dims))
 }
@@ -1868,8 +2497,16 @@ fn wire_meta(op: &'static str, t: &Tensor) -> CommResult<(u8, Vec<usize>)> {
 /// Returns a contiguous CPU copy of `t` (no copy if it already is one) and the device to move
 /// results back to.
 fn to_host(t: &Tensor) -> CommResult<(Tensor, Option<Device>)> {
-    let (host, back) = if t.device().is_cpu() { (t.clone(), None) } else { (t.to_device(&Device::Cpu)?, Some(t.device().clone())) };
-    let host = if host.is_contiguous() { host } else { host.contiguous()? };
+    let (host, back) = if t.device().is_cpu() {
+        (t.clone(), None)
+    } else {
+        (t.to_device(&Device::Cpu)?, Some(t.device().clone()))
+    };
+    let host = if host.is_contiguous() {
+        host
+    } else {
+        host.contiguous()?
+    };
     Ok((host, back))
 }
 
@@ -1907,7 +2544,10 @@ impl Collective for SocketCollective {
             let (host, back) = to_host(tensor)?;
             let out = self
                 .gather_cpu(st, &host, dim, None)?
-                .ok_or_else(|| CommError::Invalid { op: "all_gather", reason: "no result".into() })?;
+                .ok_or_else(|| CommError::Invalid {
+                    op: "all_gather",
+                    reason: "no result".into(),
+                })?;
             to_device(out, &back)
         })
     }
@@ -1918,7 +2558,9 @@ impl Collective for SocketCollective {
                 return Ok(Some(tensor.clone()));
             }
             let (host, back) = to_host(tensor)?;
-            self.gather_cpu(st, &host, dim, Some(root))?.map(|t| to_device(t, &back)).transpose()
+            self.gather_cpu(st, &host, dim, Some(root))?
+                .map(|t| to_device(t, &back))
+                .transpose()
         })
     }
 
@@ -1936,7 +2578,13 @@ impl Collective for SocketCollective {
     }
 
     fn barrier(&self) -> CommResult<()> {
-        self.run("barrier", |st| if self.world_size == 1 { Ok(()) } else { self.barrier_impl(st) })
+        self.run("barrier", |st| {
+            if self.world_size == 1 {
+                Ok(())
+            } else {
+                self.barrier_impl(st)
+            }
+        })
     }
 
     fn abort(&self) {
@@ -1959,11 +2607,20 @@ mod tests {
 
     #[test]
     fn id_roundtrip() {
-        let id = CommId { addr: RendezvousAddr::tcp("::1", 4000), nonce: [7; 16] };
+        let id = CommId {
+            addr: RendezvousAddr::tcp("::1", 4000),
+            nonce: [7; 16],
+        };
         let b = id.to_bytes();
-        assert_eq!(String::from_utf8_lossy(&b), "tpcomm1;tcp://[::1]:4000;07070707070707070707070707070707");
+        assert_eq!(
+            String::from_utf8_lossy(&b),
+            "tpcomm1;tcp://[::1]:4000;07070707070707070707070707070707"
+        );
         assert_eq!(CommId::from_bytes(&b).unwrap(), id);
-        let id = CommId { addr: RendezvousAddr::unix("/tmp/a;b.sock"), nonce: [0xab; 16] };
+        let id = CommId {
+            addr: RendezvousAddr::unix("/tmp/a;b.sock"),
+            nonce: [0xab; 16],
+        };
         assert_eq!(CommId::from_bytes(&id.to_bytes()).unwrap(), id);
     }
 

@@ -55,8 +55,7 @@ impl ChatTemplate {
         let config: serde_json::Value = if config_path.is_file() {
             let text = std::fs::read_to_string(&config_path)
                 .with_context(|| format!("chat template: reading {}", config_path.display()))?;
-            serde_json::from_str(&text)
-                .with_context(|| format!("chat template: parsing {}", config_path.display()))?
+            serde_json::from_str(&text).with_context(|| format!("chat template: parsing {}", config_path.display()))?
         } else {
             serde_json::Value::Null
         };
@@ -90,11 +89,7 @@ impl ChatTemplate {
 
     /// Compiles a template from source. Useful when the template comes from somewhere other
     /// than a model directory (a command-line override).
-    pub fn new(
-        source: String,
-        bos_token: Option<String>,
-        eos_token: Option<String>,
-    ) -> anyhow::Result<ChatTemplate> {
+    pub fn new(source: String, bos_token: Option<String>, eos_token: Option<String>) -> anyhow::Result<ChatTemplate> {
         let mut env = Environment::new();
         // HF compiles with trim_blocks=True, lstrip_blocks=True and Jinja2's default
         // keep_trailing_newline=False (one trailing newline of the source is dropped); templates
@@ -140,10 +135,8 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: &serde_json::Map<String, serde_json::Value>,
     ) -> anyhow::Result<String> {
-        let mut ctx: BTreeMap<String, Value> = extra
-            .iter()
-            .map(|(k, v)| (k.clone(), Value::from_serialize(v)))
-            .collect();
+        let mut ctx: BTreeMap<String, Value> =
+            extra.iter().map(|(k, v)| (k.clone(), Value::from_serialize(v))).collect();
         ctx.insert("messages".into(), Value::from_serialize(messages));
         ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         if let Some(bos) = &self.bos_token {
@@ -152,13 +145,9 @@ impl ChatTemplate {
         if let Some(eos) = &self.eos_token {
             ctx.insert("eos_token".into(), Value::from(eos.as_str()));
         }
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| anyhow!("chat template error: {}", describe(&e)))?;
-        template
-            .render(ctx)
-            .map_err(|e| anyhow!("chat template error: {}", describe(&e)))
+        let template =
+            self.env.get_template(TEMPLATE_NAME).map_err(|e| anyhow!("chat template error: {}", describe(&e)))?;
+        template.render(ctx).map_err(|e| anyhow!("chat template error: {}", describe(&e)))
     }
 }
 
@@ -343,11 +332,8 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     };
     let mut out = Vec::new();
     let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
-    value
-        .serialize(&mut ser)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    let text = String::from_utf8(out)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    value.serialize(&mut ser).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let text = String::from_utf8(out).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     Ok(Value::from_safe_string(text))
 }
 
@@ -448,17 +434,25 @@ impl serde_json::ser::Formatter for PyJsonFormatter {
 /// HF exposes `strftime_now(format)` so templates can stamp today's date (Llama 3.x system
 /// prompts do). Time is UTC: a server has no meaningful local zone for its clients.
 fn strftime_now(format: String) -> Result<Value, Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     strftime(&format, secs).map(Value::from)
 }
 
 /// The subset of C `strftime` that chat templates use, for a UTC Unix timestamp.
 fn strftime(format: &str, unix_secs: i64) -> Result<String, Error> {
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
         "December",
     ];
     const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
@@ -599,7 +593,7 @@ mod tests {
 
     #[test]
     fn oracle_chatml_template() {
-        let t = ChatTemplate::from_model_dir(Path::new("/work/shared/oracle/tokenizer")).unwrap().unwrap();
+        let t = ChatTemplate::from_model_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_a")).unwrap().unwrap();
         assert_eq!(t.eos_token(), Some("<|im_end|>"));
         assert_eq!(t.bos_token(), None);
         let out = t.render(&system_user(), true).unwrap();
@@ -618,7 +612,7 @@ mod tests {
 
     #[test]
     fn smollm2_template_from_jinja_file() {
-        let t = ChatTemplate::from_model_dir(Path::new("/work/shared/oracle/smollm2_135m")).unwrap().unwrap();
+        let t = ChatTemplate::from_model_dir(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2_135m")).unwrap().unwrap();
         assert_eq!(t.bos_token(), Some("<|im_start|>"));
         assert_eq!(t.eos_token(), Some("<|im_end|>"));
         let out = t.render(&system_user(), true).unwrap();
@@ -708,11 +702,18 @@ mod tests {
         let out = render_src(src, &[msg("user", "  hi there  ")], false).unwrap();
         assert_eq!(out, "hi there|True|hi,there|x|1|True");
         // Python's rendering of None and booleans.
-        assert_eq!(render_src("{{ none }}|{{ false }}|{{ undefined_var }}|{{ 1 == 1 }}", &[], false).unwrap(), "None|False||True");
+        assert_eq!(
+            render_src("{{ none }}|{{ false }}|{{ undefined_var }}|{{ 1 == 1 }}", &[], false).unwrap(),
+            "None|False||True"
+        );
         // str() of Python containers: repr of the items.
         assert_eq!(
-            render_src(r#"{{ ['a', 1, 2.5, none, true, "it's", 'q"\n'] }}|{{ {'k': ['v']} }}|{{ 'a b'.split() }}"#, &[], false)
-                .unwrap(),
+            render_src(
+                r#"{{ ['a', 1, 2.5, none, true, "it's", 'q"\n'] }}|{{ {'k': ['v']} }}|{{ 'a b'.split() }}"#,
+                &[],
+                false
+            )
+            .unwrap(),
             r#"['a', 1, 2.5, None, True, "it's", 'q"\n']|{'k': ['v']}|['a', 'b']"#
         );
     }

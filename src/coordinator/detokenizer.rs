@@ -71,10 +71,9 @@ impl IncrementalDecoder {
         if self.read_offset >= self.ids.len() {
             return String::new();
         }
-        let (Ok(prefix_text), Ok(new_text)) = (
-            self.decode(self.prefix_offset, self.read_offset),
-            self.decode(self.prefix_offset, self.ids.len()),
-        ) else {
+        let (Ok(prefix_text), Ok(new_text)) =
+            (self.decode(self.prefix_offset, self.read_offset), self.decode(self.prefix_offset, self.ids.len()))
+        else {
             tracing::warn!("detokenizer: failed to decode held-back tokens at end of stream");
             return String::new();
         };
@@ -127,8 +126,8 @@ fn split_point(prefix_text: &str, new_text: &str) -> usize {
 mod tests {
     use super::*;
 
-    const TINY: &str = "/work/shared/oracle/tokenizer/tokenizer.json";
-    const SMOL: &str = "/work/shared/oracle/smollm2_135m/tokenizer.json";
+    const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_a/tokenizer.json");
+    const SMOL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/smollm2_135m/tokenizer.json");
 
     fn load(path: &str) -> Arc<Tokenizer> {
         Arc::new(Tokenizer::from_file(path).unwrap())
@@ -177,10 +176,7 @@ mod tests {
         let gen_ids = encode(&tok, text);
         // The fixture must actually contain characters split across tokens, or the test proves
         // nothing: some single token must decode to a replacement character on its own.
-        let split_chars = gen_ids
-            .iter()
-            .filter(|&&id| tok.decode(&[id], true).unwrap().contains('\u{FFFD}'))
-            .count();
+        let split_chars = gen_ids.iter().filter(|&&id| tok.decode(&[id], true).unwrap().contains('\u{FFFD}')).count();
         assert!(split_chars > 0, "no token of the fixture is a partial character");
         let deltas = stream(&tok, &prompt, &gen_ids);
         for d in &deltas {

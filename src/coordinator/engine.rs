@@ -126,8 +126,8 @@ impl Engine {
             if self.running.is_empty() {
                 continue;
             }
-            if let Err(failure) = self.run_step().await {
-                self.fail_all(failure).await;
+            if let Err((epoch, failure)) = self.run_step().await {
+                self.fail_all(epoch, failure).await;
             }
         }
     }
@@ -199,7 +199,7 @@ impl Engine {
         steps
     }
 
-    async fn run_step(&mut self) -> Result<(), String> {
+    async fn run_step(&mut self) -> Result<(), (u64, String)> {
         let sequences = self.plan_step();
         let tokens: usize = sequences.iter().map(|s| s.token_ids.len()).sum();
         self.step += 1;
@@ -211,7 +211,8 @@ impl Engine {
         };
         let deadline = self.config.step_timeout_base + self.config.step_timeout_per_token * tokens as u32;
         let started = Instant::now();
-        let response = self.supervisor.step(request, deadline).await.map_err(|f| f.to_string())?;
+        let epoch = request.epoch;
+        let response = self.supervisor.step(request, deadline).await.map_err(|f| (epoch, f.to_string()))?;
         tracing::trace!(step = self.step, tokens, elapsed = ?started.elapsed(), compute_us = response.compute_micros, "step");
         for planned in &sequences {
             if let Some(seq) = self.running.iter_mut().find(|s| s.seq_id == planned.seq_id) {
@@ -295,7 +296,7 @@ impl Engine {
 
     /// A rank failed mid-step: every running request ends with UNAVAILABLE and the supervisor
     /// restores the group.
-    async fn fail_all(&mut self, failure: String) {
+    async fn fail_all(&mut self, epoch: u64, failure: String) {
         tracing::error!(%failure, "step failed; failing running requests and recovering the ranks");
         let status = Status::unavailable(format!(
             "a rank failed while generating ({failure}); the server is recovering, retry shortly"
@@ -305,7 +306,7 @@ impl Engine {
         }
         self.model.stats.active_sequences.store(0, Ordering::Relaxed);
         self.model.stats.kv_cached_tokens.store(0, Ordering::Relaxed);
-        self.supervisor.recover(&failure).await;
+        self.supervisor.recover(epoch, &failure).await;
     }
 }
 

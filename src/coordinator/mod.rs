@@ -140,8 +140,14 @@ impl Supervisor {
 
     /// Marks the server NOT_SERVING and rebuilds the group: waits for every rank to answer,
     /// bootstraps a new communicator epoch and reloads every model. Retries with backoff.
-    pub async fn recover(&self, reason: &str) {
+    /// `failed_epoch` is the epoch the failure was seen in: if another caller already recovered
+    /// past it, there is nothing left to do.
+    pub async fn recover(&self, failed_epoch: u64, reason: &str) {
         let _guard = self.recovering.lock().await;
+        if self.epoch() > failed_epoch && self.is_serving() {
+            return;
+        }
+        tracing::warn!(%reason, "rank group lost; recovering");
         self.set_serving(false).await;
         let mut delay = Duration::from_millis(200);
         let mut attempt = 0u32;
@@ -158,6 +164,30 @@ impl Supervisor {
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(5));
                 }
+            }
+        }
+    }
+
+    /// Checks every rank once a second while serving, so a dead rank turns health NOT_SERVING
+    /// even when no request is running. Info is answered outside the rank's step queue, so a
+    /// long step does not look like a dead rank.
+    pub async fn watch_ranks(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if !self.is_serving() {
+                continue;
+            }
+            let epoch = self.epoch();
+            let failure = match tokio::time::timeout(Duration::from_secs(3), self.ranks.info()).await {
+                Ok(Ok(infos)) => infos
+                    .iter()
+                    .position(|info| !info.initialized || info.epoch != epoch)
+                    .map(|rank| format!("rank {rank} lost its communicator (restarted?)")),
+                Ok(Err(err)) => Some(format!("{err:#}")),
+                Err(_) => Some("a rank did not answer Info within 3 s".to_owned()),
+            };
+            if let Some(reason) = failure {
+                self.recover(epoch, &reason).await;
             }
         }
     }
@@ -295,6 +325,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
         let model_id = options.model_id.clone().unwrap_or_else(|| default_model_id(&options.model));
         coordinator.load_model(&model_id, &options.model, &options.dtype).await?;
         supervisor.set_serving(true).await;
+        tokio::spawn(supervisor.clone().watch_ranks());
         anyhow::Ok(coordinator)
     };
     let coordinator = tokio::select! {

@@ -134,10 +134,7 @@ impl SamplingParams {
             return Err(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {}", self.top_logprobs));
         }
         if self.top_logprobs as usize > vocab_size {
-            return Err(format!(
-                "top_logprobs ({}) exceeds the vocabulary size ({vocab_size})",
-                self.top_logprobs
-            ));
+            return Err(format!("top_logprobs ({}) exceeds the vocabulary size ({vocab_size})", self.top_logprobs));
         }
         Ok(())
     }
@@ -169,6 +166,8 @@ pub struct Sampler {
     /// Penalised logit of each entry of `penalised`, rebuilt each step; kept to reuse its
     /// allocation.
     adjusted: Vec<(u32, f32)>,
+    /// Whether to compute `SampledToken::logprob` (see [`Sampler::with_logprob`]).
+    logprob: bool,
 }
 
 impl Sampler {
@@ -182,7 +181,17 @@ impl Sampler {
                 penalised.entry(id).or_insert(0);
             }
         }
-        Self { params, penalised, generated: 0, adjusted: Vec::new() }
+        Self { params, penalised, generated: 0, adjusted: Vec::new(), logprob: true }
+    }
+
+    /// Turns the chosen token's logprob on (the default) or off.
+    ///
+    /// The log-softmax normaliser is a pass of exps over the whole vocabulary, which for greedy
+    /// decoding costs several times the argmax itself; a request that did not ask for logprobs
+    /// need not pay it. When off (and `top_logprobs` is 0), `SampledToken::logprob` is NaN.
+    pub fn with_logprob(mut self, enabled: bool) -> Self {
+        self.logprob = enabled;
+        self
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -232,6 +241,7 @@ impl Sampler {
             with_scratch(|scratch| sample_random(&self.params, logits, &self.adjusted, u, scratch))
         };
         let log_z = match raw {
+            _ if !self.logprob && self.params.top_logprobs == 0 => f32::NAN,
             RawStats::LogZ(log_z) => log_z,
             RawStats::Max(m) if m > f32::NEG_INFINITY => log_sum_exp(logits, m),
             _ => log_sum_exp(logits, max_lanes(logits)),
@@ -306,15 +316,11 @@ fn by_value_desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
 fn greedy_argmax(logits: &[f32], adjusted: &[(u32, f32)]) -> (u32, f32) {
     let gaps = || {
         let mut prev = 0usize;
-        adjusted
-            .iter()
-            .map(|&(id, _)| id as usize)
-            .chain(std::iter::once(logits.len()))
-            .map(move |end| {
-                let start = prev;
-                prev = end + 1;
-                (start, &logits[start.min(end)..end])
-            })
+        adjusted.iter().map(|&(id, _)| id as usize).chain(std::iter::once(logits.len())).map(move |end| {
+            let start = prev;
+            prev = end + 1;
+            (start, &logits[start.min(end)..end])
+        })
     };
     let mut best = f32::NEG_INFINITY;
     for (_, gap) in gaps() {
@@ -858,12 +864,8 @@ mod tests {
 
     #[test]
     fn greedy_with_penalties_matches_naive() {
-        let params = SamplingParams {
-            repetition_penalty: 1.3,
-            presence_penalty: 0.4,
-            frequency_penalty: 0.2,
-            ..greedy()
-        };
+        let params =
+            SamplingParams { repetition_penalty: 1.3, presence_penalty: 0.4, frequency_penalty: 0.2, ..greedy() };
         for seed in 0..30 {
             let logits = random_logits(700, seed + 100, 2.0);
             let prompt: Vec<u32> = (0..40).map(|i| ((i * 97 + seed as usize * 13) % 700) as u32).collect();
@@ -1135,6 +1137,12 @@ mod tests {
         assert_eq!(out.token_id, order[0]);
         assert!((f64::from(out.logprob) - reference[order[0] as usize]).abs() < 1e-4);
         assert!(out.top_logprobs.is_empty());
+        // Logprob switched off: same token, no normaliser.
+        let out = Sampler::new(greedy(), &[]).with_logprob(false).sample(&logits);
+        assert_eq!(out.token_id, order[0]);
+        assert!(out.logprob.is_nan());
+        let out = Sampler::new(SamplingParams { top_logprobs: 2, ..greedy() }, &[]).with_logprob(false).sample(&logits);
+        assert!((f64::from(out.logprob) - reference[order[0] as usize]).abs() < 1e-4, "top_logprobs needs it anyway");
         // Large top_n through the partition path agrees with the shortlist path.
         let (mut a, mut b, mut pairs) = (Vec::new(), Vec::new(), Vec::new());
         top_n(&logits, 64, &mut a, &mut pairs);
@@ -1190,7 +1198,21 @@ mod tests {
     fn validate_rejects_each_bad_value() {
         let ok = SamplingParams::default();
         assert_eq!(ok.validate(100), Ok(()));
-        assert_eq!(SamplingParams { temperature: 0.7, top_k: 50, top_p: 0.9, min_p: 0.05, repetition_penalty: 1.1, presence_penalty: -2.0, frequency_penalty: 2.0, seed: 1, top_logprobs: 20 }.validate(100), Ok(()));
+        assert_eq!(
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 50,
+                top_p: 0.9,
+                min_p: 0.05,
+                repetition_penalty: 1.1,
+                presence_penalty: -2.0,
+                frequency_penalty: 2.0,
+                seed: 1,
+                top_logprobs: 20
+            }
+            .validate(100),
+            Ok(())
+        );
         let bad = [
             (SamplingParams { temperature: f32::NAN, ..ok }, "temperature"),
             (SamplingParams { temperature: -0.1, ..ok }, "temperature"),

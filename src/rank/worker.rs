@@ -290,8 +290,9 @@ impl SequenceTokens {
     fn sample(&mut self, seq: &pb::SequenceStep, params: &pb::SamplingParams, logits: &[f32]) -> Result<pb::SampledToken, Status> {
         let prompt_len = (seq.prompt_len as usize).min(self.tokens.len());
         if self.sampler.is_none() {
-            let params = sampling_params(params);
-            self.sampler = Some(Sampler::new(params, &self.tokens[..prompt_len]));
+            // The chosen token's logprob costs a vocabulary-wide pass: only when asked.
+            let sampler = Sampler::new(sampling_params(params), &self.tokens[..prompt_len]).with_logprob(params.logprobs);
+            self.sampler = Some(sampler);
             self.observed = prompt_len;
         }
         let Some(sampler) = self.sampler.as_mut() else {

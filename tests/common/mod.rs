@@ -51,3 +51,103 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "logit vectors differ in length");
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn tpserve() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_tpserve"))
+}
+
+/// A `tpserve serve` process on a private Unix socket (or TCP), stopped with SIGTERM on drop.
+pub struct Served {
+    pub child: Child,
+    pub address: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Served {
+    pub fn start(model: &str, tp: usize) -> Self {
+        Self::start_with(model, tp, &[])
+    }
+
+    pub fn start_with(model: &str, tp: usize, extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let address = format!("unix://{}", dir.path().join("api.sock").display());
+        let child = tpserve()
+            .args(["serve", "--model"])
+            .arg(fixture(model))
+            .args(["--tp", &tp.to_string(), "--listen", &address])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn tpserve serve");
+        let served = Self { child, address, _dir: dir };
+        served.wait_serving(Duration::from_secs(60));
+        served
+    }
+
+    pub fn wait_serving(&self, patience: Duration) {
+        wait_serving(&self.address, patience);
+    }
+
+    /// `tpserve generate` against this server; returns (stdout, success).
+    pub fn generate(&self, args: &[&str]) -> (String, bool) {
+        let output = tpserve().args(["generate", "--server", &self.address]).args(args).output().unwrap();
+        (String::from_utf8_lossy(&output.stdout).into_owned(), output.status.success())
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        terminate(&mut self.child);
+    }
+}
+
+/// SIGTERM, then SIGKILL if the process has not exited within 15 s.
+pub fn terminate(child: &mut Child) {
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Polls `tpserve health` until it exits 0.
+pub fn wait_serving(address: &str, patience: Duration) {
+    let deadline = Instant::now() + patience;
+    loop {
+        let status = tpserve().args(["health", "--server", address]).stdout(Stdio::null()).stderr(Stdio::null()).status().unwrap();
+        if status.success() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{address} did not become SERVING within {patience:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The token ids from `tpserve generate --json` output, and the final object.
+pub fn parse_json_stream(stdout: &str) -> (Vec<u32>, Value) {
+    let mut ids = Vec::new();
+    let mut last = Value::Null;
+    for line in stdout.lines().filter(|l| !l.trim().is_empty()) {
+        let value: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("bad JSON line {line:?}: {e}"));
+        if let Some(id) = value.get("token_id").and_then(Value::as_u64) {
+            ids.push(id as u32);
+        }
+        if value.get("finish_reason").is_some() {
+            last = value;
+        }
+    }
+    (ids, last)
+}
+
+pub fn ids_arg(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
