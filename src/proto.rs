@@ -15,3 +15,31 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 
 /// The rank protocol version. Bumped on any incompatible change to rank.proto.
 pub const RANK_PROTOCOL_VERSION: u32 = 1;
+
+/// Server reflection (v1 and v1alpha) advertising exactly `services`, with the descriptors of
+/// tpserve, grpc.health.v1 and reflection itself, so clients can call every advertised service.
+pub fn reflection_services(
+    services: &[&str],
+) -> Result<
+    (
+        tonic_reflection::server::v1::ServerReflectionServer<impl tonic_reflection::server::v1::ServerReflection>,
+        tonic_reflection::server::v1alpha::ServerReflectionServer<impl tonic_reflection::server::v1alpha::ServerReflection>,
+    ),
+    tonic_reflection::server::Error,
+> {
+    let mut services: Vec<&str> = services.to_vec();
+    services.extend(["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"]);
+    let builder = || {
+        let mut builder = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+            .include_reflection_service(false);
+        for service in &services {
+            builder = builder.with_service_name(*service);
+        }
+        builder
+    };
+    Ok((builder().build_v1()?, builder().build_v1alpha()?))
+}

@@ -12,7 +12,6 @@ use tonic::{Request, Response, Status};
 use super::chat_template::ChatMessage;
 use super::engine::NewRequest;
 use super::{Coordinator, ModelHandle};
-use crate::proto::FILE_DESCRIPTOR_SET;
 use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
 use crate::proto::v1::admin_server::{Admin, AdminServer};
@@ -30,14 +29,11 @@ pub fn router(
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     coordinator: CoordinatorCell,
 ) -> anyhow::Result<tonic::transport::server::Router> {
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
+    let (reflection_v1, reflection_v1alpha) = crate::proto::reflection_services(&[
+        "tpserve.v1.Generator",
+        "tpserve.v1.Admin",
+        "grpc.health.v1.Health",
+    ])?;
     Ok(tonic::transport::Server::builder()
         .add_service(health)
         .add_service(reflection_v1)

@@ -14,7 +14,7 @@ use crate::model::loader::LoadProgress;
 use crate::net::{Address, Listener};
 use crate::proto::rank::v1 as pb;
 use crate::proto::rank::v1::rank_server::{Rank, RankServer};
-use crate::proto::{FILE_DESCRIPTOR_SET, RANK_PROTOCOL_VERSION};
+use crate::proto::RANK_PROTOCOL_VERSION;
 use crate::rank::worker::{self, Command, SharedState, WorkerConfig};
 
 /// Settings of one rank process.
@@ -260,14 +260,8 @@ pub async fn run(options: RankOptions) -> anyhow::Result<()> {
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<RankServer<RankService>>().await;
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
+    let (reflection_v1, reflection_v1alpha) =
+        crate::proto::reflection_services(&["tpserve.rank.v1.Rank", "grpc.health.v1.Health"])?;
 
     let listener = Listener::bind(&options.listen).await?;
     tracing::info!(listen = %listener.local_address()?, device = %options.device_name, "rank serving");
