@@ -72,7 +72,7 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         &std::fs::read_to_string(&args.prompts).with_context(|| format!("cannot read {}", args.prompts.display()))?,
     )
     .context("--prompts must be a JSON list of token id lists")?;
-    let comm = join(&args)?;
+    let comm = join(args.rank, args.world_size, args.comm_id.as_deref(), args.rendezvous.as_deref(), args.init_timeout_secs)?;
     let group = TpGroup::new(comm.clone());
     let dtype = match args.dtype.as_str() {
         "f32" => Some(DType::F32),
@@ -106,25 +106,33 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
     Ok(())
 }
 
-fn join(args: &EvalShardArgs) -> Result<Arc<dyn Collective>> {
-    if args.world_size == 1 {
+/// Joins a communicator as `rank`: rank 0 opens the rendezvous and prints `COMM_ID=<id>` on
+/// stdout for whoever starts the other ranks; they join with that id.
+pub(crate) fn join(
+    rank: usize,
+    world_size: usize,
+    comm_id: Option<&str>,
+    rendezvous: Option<&str>,
+    init_timeout_secs: u64,
+) -> Result<Arc<dyn Collective>> {
+    if world_size == 1 {
         return Ok(Arc::new(crate::comm::SingleRank));
     }
     let options = SocketOptions {
-        init_timeout: Duration::from_secs(args.init_timeout_secs),
+        init_timeout: Duration::from_secs(init_timeout_secs),
         op_timeout: Duration::from_secs(60),
     };
-    let (id, rendezvous) = if args.rank == 0 {
-        let bind = args.rendezvous.as_deref().context("rank 0 needs --rendezvous")?;
+    let (id, rendezvous) = if rank == 0 {
+        let bind = rendezvous.context("rank 0 needs --rendezvous")?;
         let (id, rendezvous) = socket::create_comm_id(&socket::RendezvousAddr::parse(bind)?, None)?;
         let mut stdout = std::io::stdout();
         writeln!(stdout, "COMM_ID={}", String::from_utf8_lossy(&id.to_bytes()))?;
         stdout.flush()?;
         (id, Some(rendezvous))
     } else {
-        let text = args.comm_id.as_deref().context("ranks other than 0 need --comm-id")?;
+        let text = comm_id.context("ranks other than 0 need --comm-id")?;
         (CommId::from_bytes(text.as_bytes())?, None)
     };
-    let comm = SocketCollective::init(&id, args.rank, args.world_size, rendezvous, options)?;
+    let comm = SocketCollective::init(&id, rank, world_size, rendezvous, options)?;
     Ok(Arc::new(comm))
 }

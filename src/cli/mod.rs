@@ -1,6 +1,7 @@
 //! The `tpserve` command line. Scripts depend on these forms; see README.md.
 
 pub mod client;
+pub mod collective_bench;
 pub mod demo;
 pub mod eval_shard;
 pub mod serve;
@@ -44,6 +45,9 @@ pub enum Command {
     /// Join a communicator and run prompts through one shard, without a coordinator (tests, benchmarks)
     #[command(hide = true)]
     EvalShard(eval_shard::EvalShardArgs),
+    /// Measure all-reduce latency between rank processes (benchmarks)
+    #[command(hide = true)]
+    BenchCollective(collective_bench::CollectiveBenchArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -217,6 +221,10 @@ pub async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::EvalShard(args) => {
             init_logging(&cli.log_format);
             eval_shard::run(args)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::BenchCollective(args) => {
+            collective_bench::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
     }

@@ -2173,6 +2173,9 @@ impl SocketCollective {
         recvs: &mut [RecvJob],
         expect: &Expect<'_>,
     ) -> CommResult<()> {
+        let mut iters = 0usize; let mut polls = 0usize; let mut nprog = 0usize; let t00 = Instant::now();
+        struct D(usize, usize, usize, Instant, usize);
+        impl Drop for D { fn drop(&mut self) {} }
         let mut last_progress = Instant::now();
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world_size + 1);
         let mut events: Vec<libc::c_short> = vec![0; self.world_size];
@@ -2193,7 +2196,9 @@ impl SocketCollective {
             }
             let pending_recv = recvs.iter().find(|j| !j.done).map(|j| j.peer);
             let pending_send = sends.iter().find(|j| !j.done()).map(|j| j.peer);
+            iters += 1; if progressed { nprog += 1; }
             let Some(blocking_peer) = pending_recv.or(pending_send) else {
+                if sends.iter().map(|j| j.payload.len()).sum::<usize>() > (1 << 20) { eprintln!("rank {} iters {iters} polls {polls} progressed {nprog} took {:?}", self.rank, t00.elapsed()); }
                 return Ok(());
             };
             if progressed {
@@ -2231,6 +2236,7 @@ impl SocketCollective {
                 }
             }
             // SAFETY: fds is a valid array of fds.len() pollfds.
+            polls += 1;
             let rc = unsafe {
                 libc::poll(
                     fds.as_mut_ptr(),
@@ -2252,7 +2258,7 @@ impl SocketCollective {
     }
 
     fn all_reduce_cpu(&self, st: &mut OpState, t: &Tensor) -> CommResult<Tensor> {
-        const OP: &str = "all_reduce_sum";
+        const OP: &str = "all_reduce_sum"; let t00 = Instant::now();
         let (code, dims) = wire_meta(OP, t)?;
         let (guard, layout) = t.storage_and_layout();
         let own = cpu_bytes(OP, &guard, layout)?;
@@ -2289,10 +2295,10 @@ impl SocketCollective {
                 );
             }
         }
-        let out = reduce_sum(OP, t.dtype(), &parts)?;
+        let t1 = t00.elapsed(); let out = reduce_sum(OP, t.dtype(), &parts)?;
         drop(parts);
         drop(guard);
-        out.into_tensor(&dims)
+        let t2 = t00.elapsed(); let r = out.into_tensor(&dims); if dims.iter().product::<usize>() > 1<<20 { eprintln!("rank {} exch {:?} reduce {:?} total {:?}", self.rank, t1, t2, t00.elapsed()); } r
     }
 
     /// all_gather (`root` None) and gather (`root` Some).
