@@ -28,8 +28,13 @@ use chat_template::ChatTemplate;
 use engine::{Engine, ModelStats, NewRequest, SchedulerConfig};
 use ranks::{RankFailure, RankSet};
 
-/// Health service names the coordinator reports (grpc.health.v1). "" is the whole server.
+/// Health service names that follow readiness (grpc.health.v1): NOT_SERVING until every rank is
+/// initialised and the model loaded, and whenever a rank is lost. "" is the whole server.
 pub const HEALTH_SERVICES: [&str; 3] = ["", "tpserve.v1.Generator", "tpserve.v1.Admin"];
+
+/// A health service name that is SERVING whenever the process answers: for liveness probes,
+/// which must not restart a coordinator that is only waiting for its ranks.
+pub const LIVENESS_SERVICE: &str = "liveness";
 
 pub struct CoordinatorOptions {
     pub ranks: Vec<Address>,
@@ -294,6 +299,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     for service in HEALTH_SERVICES {
         health.set_service_status(service, ServingStatus::NotServing).await;
     }
+    health.set_service_status(LIVENESS_SERVICE, ServingStatus::Serving).await;
     // Serve health and reflection right away: probes must get NOT_SERVING, not a refused
     // connection, while the ranks come up.
     let listener = Listener::bind(&options.listen).await?;
