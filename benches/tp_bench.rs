@@ -58,7 +58,11 @@ fn main() {
         }
     }
 
-    let model = dir.path().join("qwen3-100m");
+    // TPSERVE_BENCH_MODEL_DIR keeps the generated model for profiling runs.
+    let model = match std::env::var_os("TPSERVE_BENCH_MODEL_DIR") {
+        Some(path) => Path::new(&path).join("qwen3-100m"),
+        None => dir.path().join("qwen3-100m"),
+    };
     let params = write_random_model(&model);
     println!("\n## greedy decode, Qwen3-shaped random model, {:.1}M parameters, f32, batch 1\n", params as f64 / 1e6);
     println!("64 new tokens after a 32-token prompt, 3 runs, best shown; each rank a separate process.\n");

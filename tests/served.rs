@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::time::Duration;
 
 use common::{Served, ids_arg, parse_json_stream};
 
@@ -47,4 +46,16 @@ fn seeded_sampling_is_reproducible() {
     assert_eq!(first, run("42"));
     let others: Vec<Vec<u32>> = ["1", "2", "3"].iter().map(|s| run(s)).collect();
     assert!(others.iter().any(|o| o != &first), "different seeds should give different samples");
+}
+
+/// README's first command: `tpserve demo` serves the bundled model at TP 2, streams, exits 0.
+#[test]
+fn demo_runs_and_exits_zero() {
+    let output = common::tpserve().arg("demo").output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "demo failed: {stderr}");
+    // The bundled model's greedy continuation of the demo prompt (reference prompt 0) starts "ide".
+    assert!(stdout.contains("Once upon a time, there was a little robot\nide"), "{stdout}");
+    assert!(stderr.contains("tokens/s"), "{stderr}");
 }

@@ -36,7 +36,7 @@ pub async fn run() -> Result<ExitCode> {
     let listen = Address::Unix(workdir.path().join("coordinator.sock"));
     eprintln!("tpserve demo: tiny random-weight Qwen3 (tests/fixtures/qwen3_a) at TP {TP}, on {listen}");
     let scheduler = SchedulerArgs { max_batch_size: 8, max_batch_tokens: 2048, prefill_chunk: 512 };
-    let cluster = LocalCluster::start(&model_dir, TP, "f32", None, &scheduler, listen.clone()).await?;
+    let cluster = LocalCluster::start(&model_dir, TP, "f32", None, &scheduler, listen.clone(), Some("error")).await?;
     let outcome = generate_once(&listen).await;
     cluster.shutdown().await?;
     let summary = outcome?;

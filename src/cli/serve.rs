@@ -48,7 +48,8 @@ fn local_hostname() -> Option<String> {
 }
 
 pub async fn run_serve(args: ServeArgs) -> Result<()> {
-    let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, args.threads, &args.scheduler, args.listen.clone()).await?;
+    let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, args.threads, &args.scheduler, args.listen.clone(), None)
+        .await?;
     super::termination_signal().await;
     tracing::info!("stopping");
     cluster.shutdown().await
@@ -74,6 +75,7 @@ impl LocalCluster {
         threads: Option<usize>,
         scheduler: &SchedulerArgs,
         listen: Address,
+        rank_log_filter: Option<&str>,
     ) -> Result<Self> {
         if tp == 0 {
             bail!("--tp must be at least 1");
@@ -95,7 +97,8 @@ impl LocalCluster {
                 "--rendezvous".to_owned(),
                 format!("unix://{}", socket_dir.path().join(format!("comm-{rank}.sock")).display()),
             ];
-            supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, rank, stopping.clone())));
+            let log_filter = rank_log_filter.map(str::to_owned);
+            supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, log_filter, rank, stopping.clone())));
             ranks.push(address);
         }
         let options = CoordinatorOptions {
@@ -141,10 +144,10 @@ fn absolute(path: &Path) -> Result<PathBuf> {
 }
 
 /// Runs one rank process, restarting it if it dies before shutdown.
-async fn supervise_rank(exe: PathBuf, args: Vec<String>, rank: usize, stopping: Arc<AtomicBool>) {
+async fn supervise_rank(exe: PathBuf, args: Vec<String>, log_filter: Option<String>, rank: usize, stopping: Arc<AtomicBool>) {
     let mut restarts = 0u32;
     loop {
-        let mut child = match spawn_rank(&exe, &args) {
+        let mut child = match spawn_rank(&exe, &args, log_filter.as_deref()) {
             Ok(child) => child,
             Err(err) => {
                 tracing::error!(rank, error = %format!("{err:#}"), "cannot start rank process");
@@ -188,9 +191,12 @@ async fn wait_or_stop(child: &mut Child, stopping: &AtomicBool) -> Option<std::p
     }
 }
 
-fn spawn_rank(exe: &Path, args: &[String]) -> Result<Child> {
+fn spawn_rank(exe: &Path, args: &[String], log_filter: Option<&str>) -> Result<Child> {
     let mut command = Command::new(exe);
     command.args(args).stdin(Stdio::null()).kill_on_drop(true);
+    if let Some(filter) = log_filter {
+        command.env("RUST_LOG", filter);
+    }
     // SAFETY: prctl is async-signal-safe; it asks the kernel to SIGTERM the child when this
     // process dies, however it dies.
     unsafe {

@@ -3,7 +3,7 @@
 //! The model code talks only to the [`Collective`] trait. Two backends implement it:
 //! [`socket::SocketCollective`] (CPU ranks, TCP or Unix sockets) and, behind the `cuda`
 //! feature, an NCCL communicator. Bootstrap mirrors NCCL: rank 0 creates an opaque
-//! [`CommId`], the coordinator hands it to every rank, and every rank calls `init`.
+//! [`socket::CommId`], the coordinator hands it to every rank, and every rank calls `init`.
 
 pub mod socket;
 

@@ -21,6 +21,7 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use candle_core::{CpuStorage, DType, Device, Layout, Storage, Tensor};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use tracing::{debug, warn};
 
@@ -78,8 +79,10 @@ impl RendezvousAddr {
     /// Parses `tcp://HOST:PORT`, `unix://PATH` (or `unix:PATH`), a bare `HOST:PORT`
     /// (`[v6]:PORT` for IPv6) or a bare absolute path.
     pub fn parse(s: &str) -> CommResult<Self> {
-        Self::from_wire(s.as_bytes(), true)
-            .map_err(|reason| CommError::InvalidId(format!("bad address {s:?}: {reason}")))
+        Self::from_wire(s.as_bytes(), true).map_err(|reason| CommError::Invalid {
+            op: "parse_address",
+            reason: format!("bad address {s:?}: {reason}"),
+        })
     }
 
     /// Canonical byte form: `tcp://HOST:PORT` or `unix://PATH` (raw path bytes).
@@ -1391,6 +1394,30 @@ impl Pod for f16 {}
 impl Pod for f32 {}
 impl Pod for f64 {}
 
+/// 16-bit floats that are summed by widening to f32. `widen`/`narrow` take equal-length slices.
+trait Half16: Pod + Default {
+    fn widen(src: &[Self], dst: &mut [f32]);
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Half16 for bf16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+impl Half16 for f16 {
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        dst.convert_from_f32_slice(src);
+    }
+}
+
 fn as_bytes<T: Pod>(s: &[T]) -> &[u8] {
     // SAFETY: T is plain old data without padding; the byte view covers exactly the slice.
     unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
@@ -1556,24 +1583,29 @@ fn reduce_sum(op: &'static str, dtype: DType, parts: &[&[u8]]) -> CommResult<Buf
         }
         acc
     }
-    fn via_f32<T: Pod>(parts: &[&[T]], to: fn(T) -> f32, from: fn(f32) -> T) -> Vec<T> {
-        const CHUNK: usize = 1024;
+    /// Accumulates in f32 a chunk at a time, using half's bulk (SIMD where available)
+    /// conversions; the f32 adds run in rank order, so every rank gets the same bits.
+    fn via_f32<T: Half16>(parts: &[&[T]]) -> Vec<T> {
+        const CHUNK: usize = 4096;
         let n = parts[0].len();
         let mut out = Vec::with_capacity(n);
         let mut acc = [0f32; CHUNK];
+        let mut tmp = [0f32; CHUNK];
+        let mut narrow = [T::default(); CHUNK];
         let mut start = 0;
         while start < n {
             let end = (start + CHUNK).min(n);
-            let acc = &mut acc[..end - start];
-            for (a, &x) in acc.iter_mut().zip(&parts[0][start..end]) {
-                *a = to(x);
-            }
+            let len = end - start;
+            let (acc, tmp, narrow) = (&mut acc[..len], &mut tmp[..len], &mut narrow[..len]);
+            T::widen(&parts[0][start..end], acc);
             for p in &parts[1..] {
-                for (a, &x) in acc.iter_mut().zip(&p[start..end]) {
-                    *a += to(x);
+                T::widen(&p[start..end], tmp);
+                for (a, &x) in acc.iter_mut().zip(tmp.iter()) {
+                    *a += x;
                 }
             }
-            out.extend(acc.iter().map(|&a| from(a)));
+            T::narrow(acc, narrow);
+            out.extend_from_slice(narrow);
             start = end;
         }
         out
@@ -1581,16 +1613,8 @@ fn reduce_sum(op: &'static str, dtype: DType, parts: &[&[u8]]) -> CommResult<Buf
     Ok(match dtype {
         DType::F32 => Buf::F32(native(&typed::<f32>(op, parts)?, |a, b| a + b)),
         DType::F64 => Buf::F64(native(&typed::<f64>(op, parts)?, |a, b| a + b)),
-        DType::BF16 => Buf::BF16(via_f32(
-            &typed::<bf16>(op, parts)?,
-            bf16::to_f32,
-            bf16::from_f32,
-        )),
-        DType::F16 => Buf::F16(via_f32(
-            &typed::<f16>(op, parts)?,
-            f16::to_f32,
-            f16::from_f32,
-        )),
+        DType::BF16 => Buf::BF16(via_f32(&typed::<bf16>(op, parts)?)),
+        DType::F16 => Buf::F16(via_f32(&typed::<f16>(op, parts)?)),
         DType::U8 => Buf::U8(native(&typed::<u8>(op, parts)?, u8::wrapping_add)),
         DType::U32 => Buf::U32(native(&typed::<u32>(op, parts)?, u32::wrapping_add)),
         DType::I16 => Buf::I16(native(&typed::<i16>(op, parts)?, i16::wrapping_add)),
@@ -2173,9 +2197,6 @@ impl SocketCollective {
         recvs: &mut [RecvJob],
         expect: &Expect<'_>,
     ) -> CommResult<()> {
-        let mut iters = 0usize; let mut polls = 0usize; let mut nprog = 0usize; let t00 = Instant::now();
-        struct D(usize, usize, usize, Instant, usize);
-        impl Drop for D { fn drop(&mut self) {} }
         let mut last_progress = Instant::now();
         let mut fds: Vec<libc::pollfd> = Vec::with_capacity(self.world_size + 1);
         let mut events: Vec<libc::c_short> = vec![0; self.world_size];
@@ -2196,9 +2217,7 @@ impl SocketCollective {
             }
             let pending_recv = recvs.iter().find(|j| !j.done).map(|j| j.peer);
             let pending_send = sends.iter().find(|j| !j.done()).map(|j| j.peer);
-            iters += 1; if progressed { nprog += 1; }
             let Some(blocking_peer) = pending_recv.or(pending_send) else {
-                if sends.iter().map(|j| j.payload.len()).sum::<usize>() > (1 << 20) { eprintln!("rank {} iters {iters} polls {polls} progressed {nprog} took {:?}", self.rank, t00.elapsed()); }
                 return Ok(());
             };
             if progressed {
@@ -2236,7 +2255,6 @@ impl SocketCollective {
                 }
             }
             // SAFETY: fds is a valid array of fds.len() pollfds.
-            polls += 1;
             let rc = unsafe {
                 libc::poll(
                     fds.as_mut_ptr(),
@@ -2258,7 +2276,7 @@ impl SocketCollective {
     }
 
     fn all_reduce_cpu(&self, st: &mut OpState, t: &Tensor) -> CommResult<Tensor> {
-        const OP: &str = "all_reduce_sum"; let t00 = Instant::now();
+        const OP: &str = "all_reduce_sum";
         let (code, dims) = wire_meta(OP, t)?;
         let (guard, layout) = t.storage_and_layout();
         let own = cpu_bytes(OP, &guard, layout)?;
@@ -2295,10 +2313,10 @@ impl SocketCollective {
                 );
             }
         }
-        let t1 = t00.elapsed(); let out = reduce_sum(OP, t.dtype(), &parts)?;
+        let out = reduce_sum(OP, t.dtype(), &parts)?;
         drop(parts);
         drop(guard);
-        let t2 = t00.elapsed(); let r = out.into_tensor(&dims); if dims.iter().product::<usize>() > 1<<20 { eprintln!("rank {} exch {:?} reduce {:?} total {:?}", self.rank, t1, t2, t00.elapsed()); } r
+        out.into_tensor(&dims)
     }
 
     /// all_gather (`root` None) and gather (`root` Some).

@@ -5,6 +5,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod cpu_matmul;
 pub mod loader;
 pub mod parallel;
 pub mod qwen3;

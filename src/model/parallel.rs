@@ -62,7 +62,10 @@ impl TpGroup {
 
 /// `x @ weight.T` for x of shape [tokens, in] and weight [out, in].
 fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.matmul(&weight.t()?)?;
+    let y = match super::cpu_matmul::matmul_transposed(x, weight)? {
+        Some(y) => y,
+        None => x.matmul(&weight.t()?)?,
+    };
     Ok(match bias {
         Some(bias) => y.broadcast_add(bias)?,
         None => y,
