@@ -1,4 +1,5 @@
-//! Per-sequence state a rank keeps between steps: the attention KV cache of every layer.
+//! Per-sequence state a rank keeps between steps: the attention KV cache of every attention
+//! layer, and the convolution and recurrent state of every linear-attention (Gated DeltaNet) layer.
 //!
 //! Buffers grow by doubling and new positions are written in place, so a decode step copies only
 //! the new token's keys and values, not the whole history.
@@ -62,9 +63,27 @@ fn grow(old: Option<&Tensor>, like: &Tensor, len: usize, capacity: usize) -> Res
     Ok(buffer)
 }
 
+/// The state a linear-attention layer carries from one step to the next: a fixed size whatever
+/// the sequence length, and only ever moving forward (it cannot be rewound, only reset).
+#[derive(Default)]
+pub struct RecurrentState {
+    /// the last `kernel - 1` inputs of the causal convolution, [kernel - 1, channels]
+    pub conv: Option<Tensor>,
+    /// the delta-rule memory, [value_heads, key_head_dim, value_head_dim] in f32
+    pub memory: Option<Tensor>,
+}
+
+impl RecurrentState {
+    pub fn reset(&mut self) {
+        self.conv = None;
+        self.memory = None;
+    }
+}
+
 /// The cached state of one layer.
 pub enum LayerCache {
     Attention(KvBuffer),
+    Recurrent(RecurrentState),
 }
 
 /// Everything a rank remembers about one sequence.
@@ -76,14 +95,53 @@ pub struct SequenceCache {
 
 impl SequenceCache {
     pub fn new_attention(num_layers: usize) -> Self {
-        Self { layers: (0..num_layers).map(|_| LayerCache::Attention(KvBuffer::default())).collect(), len: 0 }
+        Self::new(num_layers, |_| false)
+    }
+
+    /// Empty caches for `num_layers` layers; `recurrent(i)` says whether layer i is a
+    /// linear-attention layer.
+    pub fn new(num_layers: usize, recurrent: impl Fn(usize) -> bool) -> Self {
+        let layers = (0..num_layers)
+            .map(|i| {
+                if recurrent(i) {
+                    LayerCache::Recurrent(RecurrentState::default())
+                } else {
+                    LayerCache::Attention(KvBuffer::default())
+                }
+            })
+            .collect();
+        Self { layers, len: 0 }
+    }
+
+    /// Fails when the cache cannot be rewound to `len` positions: a recurrent state has folded
+    /// every processed token into itself and can only restart from position 0.
+    pub fn check_truncate(&self, len: usize) -> Result<()> {
+        if len == 0 || len >= self.len {
+            return Ok(());
+        }
+        if let Some(layer) = self.layers.iter().position(|l| matches!(l, LayerCache::Recurrent(_))) {
+            bail!(
+                "cannot rewind to position {len}: {} positions are cached and layer {layer} keeps a \
+                 recurrent (linear-attention) state, which cannot be rewound; restart the sequence \
+                 from position 0 instead",
+                self.len
+            );
+        }
+        Ok(())
     }
 
     /// Rewinds to `len` positions (used when a sequence is re-prefilled from an earlier point).
+    /// Rewinding to 0 resets recurrent state; any other rewind of recurrent state is an error.
     pub fn truncate(&mut self, len: usize) -> Result<()> {
+        self.check_truncate(len)?;
         for layer in &mut self.layers {
             match layer {
                 LayerCache::Attention(kv) => kv.truncate(len),
+                LayerCache::Recurrent(state) => {
+                    if len == 0 {
+                        state.reset();
+                    }
+                }
             }
         }
         self.len = self.len.min(len);

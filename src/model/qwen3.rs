@@ -148,7 +148,7 @@ impl Attention {
         let mut offset = 0;
         for (seq, cache) in batch.iter().zip(caches.iter_mut()) {
             let n = seq.tokens.len();
-            let LayerCache::Attention(kv) = &mut **cache;
+            let LayerCache::Attention(kv) = &mut **cache else { bail!("sequence {}: not an attention cache", seq.seq_id) };
             let (keys, values) =
                 kv.append(&k.narrow(1, offset, n)?, &v.narrow(1, offset, n)?)?;
             let q_seq = q.narrow(1, offset, n)?;
