@@ -2,13 +2,16 @@
 //! `host:port` (TCP), both everywhere.
 
 use std::fmt;
-use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
+use std::pin::Pin;
 use std::str::FromStr;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use anyhow::{Context as _, Result, bail};
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -98,24 +101,93 @@ impl Listener {
         }
     }
 
-    /// Serves `router` until `shutdown` resolves.
-    pub async fn serve<F>(self, router: tonic::transport::server::Router, shutdown: F) -> Result<()>
-    where
-        F: std::future::Future<Output = ()> + Send,
-    {
+    /// The stream of accepted connections, for tonic's `serve_with_incoming_shutdown`. A Unix
+    /// socket file is removed when the stream is dropped (the server stopped).
+    pub fn into_incoming(self) -> Incoming {
+        use futures::StreamExt;
         match self {
-            Listener::Tcp(listener) => {
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-                router.serve_with_incoming_shutdown(incoming, shutdown).await?;
-            }
-            Listener::Unix(listener, path) => {
-                let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-                let result = router.serve_with_incoming_shutdown(incoming, shutdown).await;
-                let _ = std::fs::remove_file(&path);
-                result?;
-            }
+            Listener::Tcp(listener) => Incoming {
+                inner: tokio_stream::wrappers::TcpListenerStream::new(listener)
+                    .map(|c| {
+                        let stream = c?;
+                        // Token streams are many small writes: do not let Nagle batch them.
+                        stream.set_nodelay(true)?;
+                        Ok(Connection::Tcp(stream))
+                    })
+                    .boxed(),
+                unix_path: None,
+            },
+            Listener::Unix(listener, path) => Incoming {
+                inner: tokio_stream::wrappers::UnixListenerStream::new(listener).map(|c| c.map(Connection::Unix)).boxed(),
+                unix_path: Some(path),
+            },
         }
-        Ok(())
+    }
+}
+
+/// Accepted connections of a [`Listener`].
+pub struct Incoming {
+    inner: futures::stream::BoxStream<'static, std::io::Result<Connection>>,
+    unix_path: Option<PathBuf>,
+}
+
+impl futures::Stream for Incoming {
+    type Item = std::io::Result<Connection>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.inner.as_mut().poll_next(cx)
+    }
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        if let Some(path) = &self.unix_path {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// One accepted connection, TCP or Unix.
+pub enum Connection {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+impl tonic::transport::server::Connected for Connection {
+    type ConnectInfo = ();
+
+    fn connect_info(&self) -> Self::ConnectInfo {}
+}
+
+impl AsyncRead for Connection {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Connection::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+            Connection::Unix(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Connection {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Connection::Tcp(s) => Pin::new(s).poll_write(cx, buf),
+            Connection::Unix(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Connection::Tcp(s) => Pin::new(s).poll_flush(cx),
+            Connection::Unix(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Connection::Tcp(s) => Pin::new(s).poll_shutdown(cx),
+            Connection::Unix(s) => Pin::new(s).poll_shutdown(cx),
+        }
     }
 }
 
@@ -143,11 +215,6 @@ pub async fn connect(address: &Address, timeout: Duration) -> Result<Channel> {
                 .with_context(|| format!("cannot connect to unix socket {display}"))
         }
     }
-}
-
-/// Parses a TCP address that must already be a literal socket address.
-pub fn socket_addr(text: &str) -> Result<SocketAddr> {
-    text.parse().with_context(|| format!("\"{text}\" is not an IP:port address"))
 }
 
 #[cfg(test)]

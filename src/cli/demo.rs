@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 
 use super::SchedulerArgs;
 use super::client::{consume_stream, wait_until_serving};
-use super::serve::LocalCluster;
+use super::serve::{LocalCluster, RankSettings};
 use crate::net::{self, Address};
 use crate::proto::v1 as pb;
 use crate::proto::v1::generator_client::GeneratorClient;
@@ -35,8 +35,16 @@ pub async fn run() -> Result<ExitCode> {
     }
     let listen = Address::Unix(workdir.path().join("coordinator.sock"));
     eprintln!("tpserve demo: tiny random-weight Qwen3 (tests/fixtures/qwen3_a) at TP {TP}, on {listen}");
-    let scheduler = SchedulerArgs { max_batch_size: 8, max_batch_tokens: 2048, prefill_chunk: 512 };
-    let cluster = LocalCluster::start(&model_dir, TP, "f32", None, &scheduler, listen.clone(), Some("error")).await?;
+    let scheduler = SchedulerArgs {
+        max_batch_size: 8,
+        max_batch_tokens: 2048,
+        prefill_chunk: 512,
+        max_waiting: 16,
+        max_concurrent_rpcs: 64,
+        request_timeout_secs: 60,
+    };
+    let ranks = RankSettings { log_filter: Some("error".to_owned()), ..RankSettings::default() };
+    let cluster = LocalCluster::start(&model_dir, TP, "f32", ranks, &scheduler, listen.clone()).await?;
     let outcome = generate_once(&listen).await;
     cluster.shutdown().await?;
     let summary = outcome?;

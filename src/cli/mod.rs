@@ -14,6 +14,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::coordinator::CoordinatorOptions;
 use crate::coordinator::engine::SchedulerConfig;
+use crate::coordinator::service::RpcLimits;
 use crate::net::Address;
 
 #[derive(Parser, Debug)]
@@ -70,6 +71,9 @@ pub struct RankArgs {
     /// Seconds a collective waits for a peer before declaring it hung
     #[arg(long, default_value_t = 60)]
     pub collective_timeout_secs: u64,
+    /// KV cache budget per model in GiB (default: half the available memory, shared by the group)
+    #[arg(long)]
+    pub kv_cache_gib: Option<f64>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -96,6 +100,7 @@ pub struct CoordinatorArgs {
     pub rank_wait_secs: u64,
 }
 
+/// Scheduling and admission.
 #[derive(Args, Debug, Clone)]
 pub struct SchedulerArgs {
     /// Most sequences in one step
@@ -104,13 +109,22 @@ pub struct SchedulerArgs {
     /// Most tokens in one step (decodes plus prefill chunks)
     #[arg(long, default_value_t = 2048)]
     pub max_batch_tokens: usize,
-    /// Prefill chunk size in tokens
+    /// Prefill chunk size in tokens (also the most prefill tokens per step)
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// Requests waiting for admission beyond this are refused with RESOURCE_EXHAUSTED
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
+    /// RPCs handled at once by the public server; more are shed with UNAVAILABLE
+    #[arg(long, default_value_t = 1024)]
+    pub max_concurrent_rpcs: usize,
+    /// Seconds to produce a response (a unary call, or the start of a stream)
+    #[arg(long, default_value_t = 600)]
+    pub request_timeout_secs: u64,
 }
 
 impl SchedulerArgs {
-    fn config(&self) -> Result<SchedulerConfig> {
+    pub fn config(&self) -> Result<SchedulerConfig> {
         if self.max_batch_size == 0 || self.max_batch_tokens == 0 || self.prefill_chunk == 0 {
             bail!("--max-batch-size, --max-batch-tokens and --prefill-chunk must be positive");
         }
@@ -118,7 +132,18 @@ impl SchedulerArgs {
             max_batch_sequences: self.max_batch_size,
             max_batch_tokens: self.max_batch_tokens,
             prefill_chunk: self.prefill_chunk,
+            max_waiting: self.max_waiting,
             ..SchedulerConfig::default()
+        })
+    }
+
+    pub fn limits(&self) -> Result<RpcLimits> {
+        if self.max_concurrent_rpcs == 0 || self.request_timeout_secs == 0 {
+            bail!("--max-concurrent-rpcs and --request-timeout-secs must be positive");
+        }
+        Ok(RpcLimits {
+            max_concurrent_rpcs: self.max_concurrent_rpcs,
+            request_timeout: Duration::from_secs(self.request_timeout_secs),
         })
     }
 }
@@ -140,6 +165,9 @@ pub struct ServeArgs {
     /// Compute threads per rank (default: cores / tp)
     #[arg(long)]
     pub threads: Option<usize>,
+    /// KV cache budget per rank and model in GiB (default: half the available memory, shared)
+    #[arg(long)]
+    pub kv_cache_gib: Option<f64>,
     #[command(flatten)]
     pub scheduler: SchedulerArgs,
 }
@@ -153,6 +181,7 @@ impl CoordinatorArgs {
             dtype: self.dtype.clone(),
             listen: self.listen.clone(),
             scheduler: self.scheduler.config()?,
+            limits: self.scheduler.limits()?,
             rank_patience: Duration::from_secs(self.rank_wait_secs),
             init_timeout: Duration::from_secs(120),
         })

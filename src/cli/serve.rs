@@ -18,6 +18,11 @@ use crate::rank::server::{RankOptions, run as run_rank_server};
 
 pub async fn run_rank(args: RankArgs) -> Result<()> {
     let (device, device_name) = parse_device(&args.device)?;
+    if let Some(gib) = args.kv_cache_gib {
+        if !(gib.is_finite() && gib > 0.0) {
+            bail!("--kv-cache-gib must be a positive number of GiB, got {gib}");
+        }
+    }
     let threads = args.threads.unwrap_or_else(available_cores);
     let advertise_host = args.advertise_host.clone().or_else(local_hostname);
     run_rank_server(RankOptions {
@@ -29,6 +34,7 @@ pub async fn run_rank(args: RankArgs) -> Result<()> {
         advertise_host,
         init_timeout: Duration::from_secs(120),
         collective_timeout: Duration::from_secs(args.collective_timeout_secs),
+        kv_cache_bytes: args.kv_cache_gib.map(|gib| (gib * (1u64 << 30) as f64) as u64),
     })
     .await
 }
@@ -48,11 +54,21 @@ fn local_hostname() -> Option<String> {
 }
 
 pub async fn run_serve(args: ServeArgs) -> Result<()> {
-    let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, args.threads, &args.scheduler, args.listen.clone(), None)
-        .await?;
+    let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None };
+    let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, args.listen.clone()).await?;
     super::termination_signal().await;
     tracing::info!("stopping");
     cluster.shutdown().await
+}
+
+/// How `LocalCluster` starts its rank processes.
+#[derive(Debug, Clone, Default)]
+pub struct RankSettings {
+    /// compute threads per rank (default: cores / tp)
+    pub threads: Option<usize>,
+    pub kv_cache_gib: Option<f64>,
+    /// RUST_LOG for the ranks (default: inherited)
+    pub log_filter: Option<String>,
 }
 
 /// N rank processes spawned from this binary plus an in-process coordinator. Ranks that die
@@ -72,23 +88,22 @@ impl LocalCluster {
         model: &Path,
         tp: usize,
         dtype: &str,
-        threads: Option<usize>,
+        settings: RankSettings,
         scheduler: &SchedulerArgs,
         listen: Address,
-        rank_log_filter: Option<&str>,
     ) -> Result<Self> {
         if tp == 0 {
             bail!("--tp must be at least 1");
         }
         let socket_dir = tempfile::Builder::new().prefix("tpserve-").tempdir().context("cannot create a socket directory")?;
-        let threads = threads.unwrap_or_else(|| (available_cores() / tp).max(1));
+        let threads = settings.threads.unwrap_or_else(|| (available_cores() / tp).max(1));
         let exe = std::env::current_exe().context("cannot find the tpserve executable")?;
         let stopping = Arc::new(AtomicBool::new(false));
         let mut ranks = Vec::with_capacity(tp);
         let mut supervisors = Vec::with_capacity(tp);
         for rank in 0..tp {
             let address = Address::Unix(socket_dir.path().join(format!("rank-{rank}.sock")));
-            let args = vec![
+            let mut args = vec![
                 "rank".to_owned(),
                 "--listen".to_owned(),
                 address.to_string(),
@@ -97,7 +112,10 @@ impl LocalCluster {
                 "--rendezvous".to_owned(),
                 format!("unix://{}", socket_dir.path().join(format!("comm-{rank}.sock")).display()),
             ];
-            let log_filter = rank_log_filter.map(str::to_owned);
+            if let Some(gib) = settings.kv_cache_gib {
+                args.extend(["--kv-cache-gib".to_owned(), gib.to_string()]);
+            }
+            let log_filter = settings.log_filter.clone();
             supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, log_filter, rank, stopping.clone())));
             ranks.push(address);
         }
@@ -108,6 +126,7 @@ impl LocalCluster {
             dtype: dtype.to_owned(),
             listen: listen.clone(),
             scheduler: scheduler.config()?,
+            limits: scheduler.limits()?,
             rank_patience: Duration::from_secs(120),
             init_timeout: Duration::from_secs(120),
         };

@@ -24,6 +24,8 @@ pub type ResponseSender = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
 /// A validated request, ready to run.
 pub struct NewRequest {
     pub prompt_ids: Vec<u32>,
+    /// from the client's grpc-timeout: the stream ends with DEADLINE_EXCEEDED past it
+    pub deadline: Option<Instant>,
     pub sampling: rank_pb::SamplingParams,
     /// already clamped so that prompt + max_tokens fits the context
     pub max_tokens: usize,
@@ -32,12 +34,16 @@ pub struct NewRequest {
     pub responses: ResponseSender,
 }
 
-/// Limits of one step.
+/// Limits of one step, and of the queue in front of it.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
     pub max_batch_sequences: usize,
     pub max_batch_tokens: usize,
+    /// also the most prefill tokens in one step, so a long prompt delays running streams by
+    /// at most one chunk
     pub prefill_chunk: usize,
+    /// requests waiting for admission beyond this are refused with RESOURCE_EXHAUSTED
+    pub max_waiting: usize,
     /// step deadline: base plus a per-token allowance, so a long prefill is not mistaken for a hang
     pub step_timeout_base: Duration,
     pub step_timeout_per_token: Duration,
@@ -49,6 +55,7 @@ impl Default for SchedulerConfig {
             max_batch_sequences: 64,
             max_batch_tokens: 2048,
             prefill_chunk: 512,
+            max_waiting: 256,
             step_timeout_base: Duration::from_secs(30),
             step_timeout_per_token: Duration::from_millis(50),
         }
@@ -63,10 +70,45 @@ pub struct ModelStats {
     pub sequences_freed_total: AtomicU64,
     pub active_sequences: AtomicU64,
     pub kv_cached_tokens: AtomicU64,
+    /// KV tokens promised to admitted sequences (prompt + max_tokens each)
+    pub kv_reserved_tokens: AtomicU64,
+    /// requests queued but not admitted; the service increments it, the engine decrements
+    pub waiting: AtomicU64,
+    pub steps_total: AtomicU64,
+    /// recent per-step overheads in µs (round trip minus rank compute), newest last
+    pub step_overheads_us: std::sync::Mutex<VecDeque<f64>>,
+}
+
+/// How many recent steps the overhead percentiles cover.
+const OVERHEAD_WINDOW: usize = 4096;
+
+impl ModelStats {
+    fn record_overhead(&self, micros: f64) {
+        self.steps_total.fetch_add(1, Ordering::Relaxed);
+        let mut window = self.step_overheads_us.lock().unwrap_or_else(|p| p.into_inner());
+        if window.len() == OVERHEAD_WINDOW {
+            window.pop_front();
+        }
+        window.push_back(micros);
+    }
+
+    /// (p50, p99) of the recent step overheads in µs; zeros before the first step.
+    pub fn overhead_percentiles(&self) -> (f64, f64) {
+        let mut values: Vec<f64> = self.step_overheads_us.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
+        if values.is_empty() {
+            return (0.0, 0.0);
+        }
+        values.sort_by(f64::total_cmp);
+        let at = |q: f64| values[((values.len() - 1) as f64 * q).round() as usize];
+        (at(0.5), at(0.99))
+    }
 }
 
 struct Sequence {
     seq_id: u64,
+    deadline: Option<Instant>,
+    /// KV tokens reserved for this sequence at admission
+    reserved: usize,
     /// prompt followed by generated tokens
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -102,11 +144,23 @@ pub struct Engine {
     running: Vec<Sequence>,
     next_seq_id: u64,
     step: u64,
+    /// KV tokens promised to running sequences; never above `model.kv_capacity_tokens`
+    reserved: usize,
 }
 
 impl Engine {
     pub fn new(model: Arc<ModelHandle>, supervisor: Arc<Supervisor>, config: SchedulerConfig, requests: mpsc::Receiver<NewRequest>) -> Self {
-        Self { model, supervisor, config, requests, waiting: VecDeque::new(), running: Vec::new(), next_seq_id: 1, step: 0 }
+        Self {
+            model,
+            supervisor,
+            config,
+            requests,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_seq_id: 1,
+            step: 0,
+            reserved: 0,
+        }
     }
 
     /// Runs until the model is unloaded (its request queue closes) and no work is left.
@@ -121,9 +175,14 @@ impl Engine {
             while let Ok(request) = self.requests.try_recv() {
                 self.waiting.push_back(request);
             }
+            self.expire_waiting().await;
             self.admit();
             self.drop_cancelled().await;
             if self.running.is_empty() {
+                if !self.waiting.is_empty() {
+                    // Nothing runs, yet the head of the queue does not fit: it never will.
+                    self.refuse_unfittable().await;
+                }
                 continue;
             }
             if let Err((epoch, failure)) = self.run_step().await {
@@ -132,13 +191,24 @@ impl Engine {
         }
     }
 
+    /// Admits waiting requests in arrival order while the batch and the KV capacity allow.
+    /// Each admitted sequence reserves prompt + max_tokens tokens, so a running sequence can
+    /// never run out of cache mid-generation.
     fn admit(&mut self) {
+        let capacity = self.model.kv_capacity_tokens;
         while self.running.len() < self.config.max_batch_sequences {
+            let Some(front) = self.waiting.front() else { break };
+            let need = front.prompt_ids.len() + front.max_tokens;
+            if !front.responses.is_closed() && self.reserved + need > capacity {
+                break;
+            }
             let Some(request) = self.waiting.pop_front() else { break };
+            self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             if request.responses.is_closed() {
                 self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
+            self.reserved += need;
             let seq_id = self.next_seq_id;
             self.next_seq_id += 1;
             let mut sampling = request.sampling;
@@ -147,6 +217,8 @@ impl Engine {
             }
             self.running.push(Sequence {
                 seq_id,
+                deadline: request.deadline,
+                reserved: need,
                 prompt_len: request.prompt_ids.len(),
                 decoder: IncrementalDecoder::new(self.model.tokenizer.clone(), &request.prompt_ids),
                 tokens: request.prompt_ids,
@@ -158,35 +230,90 @@ impl Engine {
                 responses: request.responses,
             });
         }
-        self.model.stats.active_sequences.store(self.running.len() as u64, Ordering::Relaxed);
+        self.publish_occupancy();
     }
 
-    /// Frees the sequences whose clients went away before the next step spends work on them.
-    async fn drop_cancelled(&mut self) {
-        let (cancelled, running): (Vec<Sequence>, Vec<Sequence>) =
-            std::mem::take(&mut self.running).into_iter().partition(|s| s.responses.is_closed());
-        self.running = running;
-        if !cancelled.is_empty() {
-            self.model.stats.requests_cancelled_total.fetch_add(cancelled.len() as u64, Ordering::Relaxed);
-            tracing::info!(count = cancelled.len(), "clients went away; freeing their sequences");
-            self.free(cancelled.iter().map(|s| s.seq_id).collect()).await;
+    fn publish_occupancy(&self) {
+        let stats = &self.model.stats;
+        stats.active_sequences.store(self.running.len() as u64, Ordering::Relaxed);
+        stats.kv_reserved_tokens.store(self.reserved as u64, Ordering::Relaxed);
+        let cached: usize = self.running.iter().map(|s| s.processed).sum();
+        stats.kv_cached_tokens.store(cached as u64, Ordering::Relaxed);
+    }
+
+    /// Ends waiting requests whose deadline passed.
+    async fn expire_waiting(&mut self) {
+        let now = Instant::now();
+        let (expired, waiting): (VecDeque<NewRequest>, VecDeque<NewRequest>) =
+            std::mem::take(&mut self.waiting).into_iter().partition(|r| r.deadline.is_some_and(|d| d <= now));
+        self.waiting = waiting;
+        for request in expired {
+            self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
+            let status = Status::deadline_exceeded("the request's deadline passed while it waited for admission");
+            let _ = request.responses.send(Err(status)).await;
         }
+    }
+
+    /// The queue's head needs more KV cache than the ranks hold in total.
+    async fn refuse_unfittable(&mut self) {
+        let Some(request) = self.waiting.pop_front() else { return };
+        self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        let need = request.prompt_ids.len() + request.max_tokens;
+        let status = Status::resource_exhausted(format!(
+            "the request needs {need} tokens of KV cache (prompt plus max_tokens) but the ranks hold {}; \
+             lower max_tokens or shorten the prompt",
+            self.model.kv_capacity_tokens
+        ));
+        let _ = request.responses.send(Err(status)).await;
+    }
+
+    /// Frees the sequences whose clients went away, or whose deadline passed, before the next
+    /// step spends work on them.
+    async fn drop_cancelled(&mut self) {
+        let now = Instant::now();
+        let (ended, running): (Vec<Sequence>, Vec<Sequence>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|s| s.responses.is_closed() || s.deadline.is_some_and(|d| d <= now));
+        self.running = running;
+        if ended.is_empty() {
+            return;
+        }
+        self.model.stats.requests_cancelled_total.fetch_add(ended.len() as u64, Ordering::Relaxed);
+        tracing::info!(count = ended.len(), "clients went away or deadlines passed; freeing their sequences");
+        for seq in &ended {
+            if seq.deadline.is_some_and(|d| d <= now) {
+                let _ = seq.responses.try_send(Err(Status::deadline_exceeded("the request's deadline passed")));
+            }
+        }
+        self.release(&ended);
+        self.free(ended.iter().map(|s| s.seq_id).collect()).await;
+    }
+
+    fn release(&mut self, ended: &[Sequence]) {
+        self.reserved -= ended.iter().map(|s| s.reserved).sum::<usize>();
+        self.publish_occupancy();
     }
 
     /// Builds the next step: decodes first (they are cheap and latency-critical), then prefill
     /// chunks within the token budget.
     fn plan_step(&self) -> Vec<rank_pb::SequenceStep> {
         let mut budget = self.config.max_batch_tokens;
+        let mut prefill_budget = self.config.prefill_chunk;
         let mut steps = Vec::with_capacity(self.running.len());
         let decoding = self.running.iter().filter(|s| s.processed >= s.prompt_len);
         let prefilling = self.running.iter().filter(|s| s.processed < s.prompt_len);
         for seq in decoding.chain(prefilling) {
             let pending = seq.tokens.len() - seq.processed;
-            let take = pending.min(self.config.prefill_chunk).min(budget);
+            let prefill = seq.processed < seq.prompt_len;
+            let take = if prefill { pending.min(prefill_budget) } else { pending }.min(budget);
             if take == 0 {
                 continue;
             }
             budget -= take;
+            if prefill {
+                prefill_budget -= take;
+            }
             steps.push(rank_pb::SequenceStep {
                 seq_id: seq.seq_id,
                 token_ids: seq.tokens[seq.processed..seq.processed + take].to_vec(),
@@ -213,7 +340,10 @@ impl Engine {
         let started = Instant::now();
         let epoch = request.epoch;
         let response = self.supervisor.step(request, deadline).await.map_err(|f| (epoch, f.to_string()))?;
-        tracing::trace!(step = self.step, tokens, elapsed = ?started.elapsed(), compute_us = response.compute_micros, "step");
+        let round_trip = started.elapsed();
+        let overhead_us = round_trip.as_secs_f64() * 1e6 - response.compute_micros as f64;
+        self.model.stats.record_overhead(overhead_us.max(0.0));
+        tracing::trace!(step = self.step, tokens, ?round_trip, compute_us = response.compute_micros, "step");
         for planned in &sequences {
             if let Some(seq) = self.running.iter_mut().find(|s| s.seq_id == planned.seq_id) {
                 seq.processed += planned.token_ids.len();
@@ -227,15 +357,13 @@ impl Engine {
                 if matches!(outcome, Finish::Cancelled) {
                     self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
                 }
-                finished.push(self.running.swap_remove(index).seq_id);
+                finished.push(self.running.swap_remove(index));
             }
         }
-        let cached: usize = self.running.iter().map(|s| s.processed).sum();
-        self.model.stats.kv_cached_tokens.store(cached as u64, Ordering::Relaxed);
+        self.release(&finished);
         if !finished.is_empty() {
-            self.free(finished).await;
+            self.free(finished.iter().map(|s| s.seq_id).collect()).await;
         }
-        self.model.stats.active_sequences.store(self.running.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -274,11 +402,11 @@ impl Engine {
         if outcome.stopped {
             return finish(seq, pb::FinishReason::StopSequence).await;
         }
-        if seq.generated() >= seq.max_tokens {
-            return finish(seq, pb::FinishReason::Length).await;
-        }
         if seq.tokens.len() >= max_context {
             return finish(seq, pb::FinishReason::ContextLength).await;
+        }
+        if seq.generated() >= seq.max_tokens {
+            return finish(seq, pb::FinishReason::Length).await;
         }
         Finish::Running
     }
@@ -304,8 +432,8 @@ impl Engine {
         for seq in self.running.drain(..) {
             let _ = seq.responses.send(Err(status.clone())).await;
         }
-        self.model.stats.active_sequences.store(0, Ordering::Relaxed);
-        self.model.stats.kv_cached_tokens.store(0, Ordering::Relaxed);
+        self.reserved = 0;
+        self.publish_occupancy();
         self.supervisor.recover(epoch, &failure).await;
     }
 }

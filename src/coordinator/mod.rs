@@ -43,6 +43,7 @@ pub struct CoordinatorOptions {
     pub dtype: String,
     pub listen: Address,
     pub scheduler: SchedulerConfig,
+    pub limits: service::RpcLimits,
     /// how long to wait for ranks to appear at start
     pub rank_patience: Duration,
     pub init_timeout: Duration,
@@ -59,6 +60,10 @@ pub struct ModelHandle {
     pub chat_template: Option<ChatTemplate>,
     pub eos_token_ids: Vec<u32>,
     pub max_context: usize,
+    /// KV cache tokens every rank can hold (the smallest rank's capacity)
+    pub kv_capacity_tokens: usize,
+    /// most requests waiting for admission before new ones are refused
+    pub max_waiting: usize,
     pub stats: Arc<ModelStats>,
     pub submit: mpsc::Sender<NewRequest>,
 }
@@ -66,6 +71,7 @@ pub struct ModelHandle {
 impl ModelHandle {
     pub fn info(&self, tp_size: usize) -> pb::ModelInfoResponse {
         let stats = &self.stats;
+        let overhead = stats.overhead_percentiles();
         pb::ModelInfoResponse {
             model_id: self.id.clone(),
             model_type: self.config.model_type.clone(),
@@ -79,6 +85,12 @@ impl ModelHandle {
             requests_cancelled_total: stats.requests_cancelled_total.load(Ordering::Relaxed),
             sequences_freed_total: stats.sequences_freed_total.load(Ordering::Relaxed),
             requests_total: stats.requests_total.load(Ordering::Relaxed),
+            kv_capacity_tokens: self.kv_capacity_tokens as u64,
+            kv_reserved_tokens: stats.kv_reserved_tokens.load(Ordering::Relaxed),
+            waiting_requests: stats.waiting.load(Ordering::Relaxed) as u32,
+            steps_total: stats.steps_total.load(Ordering::Relaxed),
+            step_overhead_us_p50: overhead.0,
+            step_overhead_us_p99: overhead.1,
         }
     }
 }
@@ -234,6 +246,8 @@ impl Coordinator {
             path: path.to_owned(),
             dtype: info.dtype.clone(),
             max_context: local.config.max_position_embeddings,
+            kv_capacity_tokens: info.kv_capacity_tokens as usize,
+            max_waiting: self.scheduler.max_waiting,
             config: local.config,
             tokenizer: local.tokenizer,
             chat_template: local.chat_template,
@@ -248,7 +262,7 @@ impl Coordinator {
         if default.is_none() {
             *default = Some(id.to_owned());
         }
-        tracing::info!(model = id, path = %path.display(), dtype = %info.dtype, "model ready");
+        tracing::info!(model = id, path = %path.display(), dtype = %info.dtype, kv_capacity_tokens = info.kv_capacity_tokens, "model ready");
         Ok(handle)
     }
 
@@ -306,8 +320,13 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     tracing::info!(listen = %listener.local_address()?, ranks = options.ranks.len(), "coordinator listening");
 
     let (coordinator_sender, coordinator_receiver) = tokio::sync::watch::channel::<Option<Arc<Coordinator>>>(None);
-    let router = service::router(health_service, coordinator_receiver)?;
-    let server = tokio::spawn(listener.serve(router, stop.clone()));
+    let server = tokio::spawn(service::serve(
+        health_service,
+        coordinator_receiver,
+        options.limits.clone(),
+        listener.into_incoming(),
+        stop.clone(),
+    ));
 
     let startup = async {
         let ranks = RankSet::connect(&options.ranks, options.rank_patience).await?;
@@ -344,7 +363,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     };
     let _ = coordinator_sender.send(Some(coordinator.clone()));
     tracing::info!("coordinator serving");
-    server.await.context("server task panicked")??;
+    server.await.context("server task panicked")?.context("serving the public API")?;
     tracing::info!("shutting down the ranks");
     coordinator.supervisor.ranks.shutdown().await;
     Ok(())

@@ -134,7 +134,10 @@ impl RankSet {
             }
         });
         let infos = try_join_all(calls).await.with_context(|| format!("loading {path}"))?;
-        let first = infos.into_iter().next().context("no ranks")?;
+        // The group can only hold what its smallest rank can.
+        let capacity = infos.iter().map(|i| i.kv_capacity_tokens).min().unwrap_or(0);
+        let mut first = infos.into_iter().next().context("no ranks")?;
+        first.kv_capacity_tokens = capacity;
         Ok(first)
     }
 

@@ -24,22 +24,50 @@ type ResponseStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Sta
 /// At most this many alternatives per token, as in OpenAI's API.
 const MAX_TOP_LOGPROBS: u32 = 20;
 
-/// The router with health, reflection (v1 and v1alpha), Generator and Admin.
-pub fn router(
+/// Limits the tower layers enforce on every RPC of the public server.
+#[derive(Debug, Clone)]
+pub struct RpcLimits {
+    /// RPCs handled at once; beyond it new ones are shed with UNAVAILABLE instead of queueing
+    pub max_concurrent_rpcs: usize,
+    /// bound on producing a response: the whole of a unary call, the start of a stream
+    pub request_timeout: std::time::Duration,
+}
+
+impl Default for RpcLimits {
+    fn default() -> Self {
+        Self { max_concurrent_rpcs: 1024, request_timeout: std::time::Duration::from_secs(600) }
+    }
+}
+
+/// Serves health, reflection (v1 and v1alpha), Generator and Admin, behind load shedding, a
+/// concurrency limit and a timeout, until `shutdown` resolves.
+pub async fn serve(
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     coordinator: CoordinatorCell,
-) -> anyhow::Result<tonic::transport::server::Router> {
+    limits: RpcLimits,
+    incoming: crate::net::Incoming,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
     let (reflection_v1, reflection_v1alpha) = crate::proto::reflection_services(&[
         "tpserve.v1.Generator",
         "tpserve.v1.Admin",
         "grpc.health.v1.Health",
     ])?;
-    Ok(tonic::transport::Server::builder()
+    let layers = tower::ServiceBuilder::new()
+        .load_shed()
+        .concurrency_limit(limits.max_concurrent_rpcs)
+        .timeout(limits.request_timeout)
+        .into_inner();
+    tonic::transport::Server::builder()
+        .layer(layers)
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(GeneratorServer::new(GeneratorService { coordinator: coordinator.clone() }))
-        .add_service(AdminServer::new(AdminService { coordinator })))
+        .add_service(AdminServer::new(AdminService { coordinator }))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await?;
+    Ok(())
 }
 
 fn ready(cell: &CoordinatorCell) -> Result<Arc<Coordinator>, Status> {
@@ -74,6 +102,7 @@ impl Generator for GeneratorService {
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<ResponseStream>, Status> {
         let coordinator = ready(&self.coordinator)?;
+        let deadline = request_deadline(request.metadata());
         let request = request.into_inner();
         let model = find_model(&coordinator, &request.model).await?;
         let prompt_ids = match (request.prompt.is_empty(), request.prompt_ids.is_empty()) {
@@ -82,11 +111,12 @@ impl Generator for GeneratorService {
             (false, true) => encode(&model, &request.prompt, true)?,
             (true, false) => request.prompt_ids,
         };
-        start(&model, prompt_ids, request.params.unwrap_or_default()).await
+        start(&model, prompt_ids, request.params.unwrap_or_default(), deadline).await
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<ResponseStream>, Status> {
         let coordinator = ready(&self.coordinator)?;
+        let deadline = request_deadline(request.metadata());
         let request = request.into_inner();
         let model = find_model(&coordinator, &request.model).await?;
         if request.messages.is_empty() {
@@ -102,7 +132,7 @@ impl Generator for GeneratorService {
             .map_err(|err| Status::invalid_argument(format!("cannot render the chat template: {err:#}")))?;
         // The template already wrote any special tokens the model expects.
         let prompt_ids = encode(&model, &prompt, false)?;
-        start(&model, prompt_ids, request.params.unwrap_or_default()).await
+        start(&model, prompt_ids, request.params.unwrap_or_default(), deadline).await
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
@@ -137,8 +167,30 @@ fn encode(model: &ModelHandle, text: &str, add_special_tokens: bool) -> Result<V
     Ok(encoding.get_ids().to_vec())
 }
 
+/// The deadline a client set with grpc-timeout ("<digits><unit>", unit one of H M S m u n).
+fn request_deadline(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Instant> {
+    let text = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
+    let value: u64 = digits.parse().ok()?;
+    let timeout = match unit {
+        "H" => std::time::Duration::from_secs(value.saturating_mul(3600)),
+        "M" => std::time::Duration::from_secs(value.saturating_mul(60)),
+        "S" => std::time::Duration::from_secs(value),
+        "m" => std::time::Duration::from_millis(value),
+        "u" => std::time::Duration::from_micros(value),
+        "n" => std::time::Duration::from_nanos(value),
+        _ => return None,
+    };
+    std::time::Instant::now().checked_add(timeout)
+}
+
 /// Validates a request against the model and queues it; the stream carries its tokens.
-async fn start(model: &Arc<ModelHandle>, prompt_ids: Vec<u32>, params: pb::GenerationParams) -> Result<Response<ResponseStream>, Status> {
+async fn start(
+    model: &Arc<ModelHandle>,
+    prompt_ids: Vec<u32>,
+    params: pb::GenerationParams,
+    deadline: Option<std::time::Instant>,
+) -> Result<Response<ResponseStream>, Status> {
     let vocab_size = model.config.vocab_size;
     if let Some(bad) = prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
         return Err(Status::invalid_argument(format!(
@@ -162,13 +214,32 @@ async fn start(model: &Arc<ModelHandle>, prompt_ids: Vec<u32>, params: pb::Gener
             )));
         }
         // Generation also stops at the context length, reported as such.
-        Some(n) => n as usize,
-        None => room,
+        Some(n) => (n as usize).min(room),
+        None => room.min(model.kv_capacity_tokens.saturating_sub(prompt_ids.len())).max(1),
     };
+    let need = prompt_ids.len() + max_tokens;
+    if need > model.kv_capacity_tokens {
+        return Err(Status::out_of_range(format!(
+            "the prompt ({} tokens) plus max_tokens ({max_tokens}) needs {need} tokens of KV cache, \
+             but the ranks hold {}; lower max_tokens or shorten the prompt",
+            prompt_ids.len(),
+            model.kv_capacity_tokens
+        )));
+    }
     let sampling = sampling_params(&params, vocab_size)?;
     super::stop::validate(&params.stop).map_err(Status::invalid_argument)?;
     let (responses, receiver) = mpsc::channel(256);
+    // Refuse at once rather than queue without bound: the client can back off or go elsewhere.
+    let waiting = model.stats.waiting.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    if waiting >= model.max_waiting as u64 {
+        model.stats.waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(Status::resource_exhausted(format!(
+            "the server is at capacity: {waiting} requests are already waiting for model \"{}\"; retry later",
+            model.id
+        )));
+    }
     let request = NewRequest {
+        deadline,
         prompt_ids,
         sampling,
         max_tokens,
@@ -177,11 +248,10 @@ async fn start(model: &Arc<ModelHandle>, prompt_ids: Vec<u32>, params: pb::Gener
         responses,
     };
     model.stats.requests_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    model
-        .submit
-        .send(request)
-        .await
-        .map_err(|_| Status::unavailable(format!("model \"{}\" is being unloaded", model.id)))?;
+    if model.submit.send(request).await.is_err() {
+        model.stats.waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        return Err(Status::unavailable(format!("model \"{}\" is being unloaded", model.id)));
+    }
     Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
 }
 

@@ -14,6 +14,12 @@ use serde_json::Value;
 pub enum ModelFamily {
     Qwen3,
     Llama,
+    /// Qwen3 with sparse mixture-of-experts MLPs.
+    Qwen3Moe,
+    /// Qwen3.5 dense: Gated DeltaNet layers interleaved with gated full attention.
+    Qwen3_5,
+    /// Qwen3.5 hybrid layers with mixture-of-experts MLPs and a shared expert.
+    Qwen3_5Moe,
 }
 
 impl ModelFamily {
@@ -21,8 +27,12 @@ impl ModelFamily {
         match model_type {
             "qwen3" => Ok(Self::Qwen3),
             "llama" => Ok(Self::Llama),
+            "qwen3_moe" => Ok(Self::Qwen3Moe),
+            "qwen3_5" | "qwen3_5_text" => Ok(Self::Qwen3_5),
+            "qwen3_5_moe" | "qwen3_5_moe_text" => Ok(Self::Qwen3_5Moe),
             other => bail!(
-                "unsupported model_type \"{other}\" in config.json (supported: qwen3, llama)"
+                "unsupported model_type \"{other}\" in config.json (supported: qwen3, llama, \
+                 qwen3_moe, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text)"
             ),
         }
     }
@@ -31,8 +41,17 @@ impl ModelFamily {
         match self {
             Self::Qwen3 => "qwen3",
             Self::Llama => "llama",
+            Self::Qwen3Moe => "qwen3_moe",
+            Self::Qwen3_5 => "qwen3_5",
+            Self::Qwen3_5Moe => "qwen3_5_moe",
         }
     }
+}
+
+/// The multimodal wrappers (Qwen3.5 as published on the hub) keep the language model's
+/// hyper-parameters under "text_config"; the text-only classes write them at the top level.
+fn nests_text_config(model_type: &str) -> bool {
+    matches!(model_type, "qwen3_5" | "qwen3_5_moe")
 }
 
 /// Normalised hyper-parameters of a decoder-only transformer.
@@ -42,6 +61,7 @@ pub struct ModelConfig {
     pub model_type: String,
     pub vocab_size: usize,
     pub hidden_size: usize,
+    /// 0 for families whose every MLP is a mixture of experts and that may omit it (Qwen3.5 MoE).
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
@@ -56,6 +76,9 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
+    /// The JSON object the text model's fields were read from (the top level, or "text_config"),
+    /// for the family-specific parsers.
+    pub text_config: Value,
 }
 
 impl ModelConfig {
@@ -74,7 +97,20 @@ impl ModelConfig {
         }
         let model_type = string_field(&root, "model_type")?;
         let family = ModelFamily::from_model_type(&model_type)?;
-        let reader = Fields(&root);
+        let text = if nests_text_config(&model_type) {
+            match root.get("text_config") {
+                Some(text) if text.is_object() => text,
+                _ => bail!(
+                    "model_type \"{model_type}\" keeps the language model's config in a \
+                     \"text_config\" object, which is missing"
+                ),
+            }
+        } else {
+            &root
+        };
+        // Fields the wrapper may hold instead of (or as well as) its text config.
+        let outer = |name: &str| text.get(name).filter(|v| !v.is_null()).or_else(|| root.get(name));
+        let reader = Fields(text);
 
         let hidden_size = reader.usize("hidden_size")?;
         let num_attention_heads = reader.usize("num_attention_heads")?;
@@ -104,47 +140,57 @@ impl ModelConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             bail!("head_dim must be a positive even number, got {head_dim}");
         }
-        let hidden_act = root.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+        let hidden_act = text.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
         if hidden_act != "silu" {
             bail!("hidden_act \"{hidden_act}\" is not supported (only silu)");
         }
-        if root.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+        if text.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
             bail!("use_sliding_window=true is not supported");
         }
-        check_rope_scaling(&root)?;
+        check_rope_scaling(text)?;
+        let intermediate_size = match family {
+            ModelFamily::Qwen3_5Moe => reader.opt_usize("intermediate_size")?.unwrap_or(0),
+            _ => reader.usize("intermediate_size")?,
+        };
+        // The wrapper's flag is the one transformers ties by.
+        let tie_word_embeddings = root
+            .get("tie_word_embeddings")
+            .or_else(|| text.get("tie_word_embeddings"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
 
         let config = ModelConfig {
             family,
             vocab_size: reader.usize("vocab_size")?,
             hidden_size,
-            intermediate_size: reader.usize("intermediate_size")?,
+            intermediate_size,
             num_hidden_layers: reader.usize("num_hidden_layers")?,
             num_attention_heads,
             num_key_value_heads,
             head_dim,
             rms_norm_eps: reader.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
-            rope_theta: rope_theta(&root)?,
+            rope_theta: rope_theta(text)?,
             max_position_embeddings: reader.opt_usize("max_position_embeddings")?.unwrap_or(4096),
-            tie_word_embeddings: root
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            attention_bias: root.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
-            qk_norm: family == ModelFamily::Qwen3,
-            eos_token_ids: token_ids(root.get("eos_token_id"), "eos_token_id")?,
-            bos_token_id: token_ids(root.get("bos_token_id"), "bos_token_id")?.first().copied(),
+            tie_word_embeddings,
+            attention_bias: text.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
+            qk_norm: family != ModelFamily::Llama,
+            eos_token_ids: token_ids(outer("eos_token_id"), "eos_token_id")?,
+            bos_token_id: token_ids(outer("bos_token_id"), "bos_token_id")?.first().copied(),
             model_type,
+            text_config: text.clone(),
         };
         for (name, value) in [
             ("vocab_size", config.vocab_size),
             ("hidden_size", config.hidden_size),
-            ("intermediate_size", config.intermediate_size),
             ("num_hidden_layers", config.num_hidden_layers),
             ("max_position_embeddings", config.max_position_embeddings),
         ] {
             if value == 0 {
                 bail!("{name} must be positive");
             }
+        }
+        if config.intermediate_size == 0 && family != ModelFamily::Qwen3_5Moe {
+            bail!("intermediate_size must be positive");
         }
         Ok(config)
     }
@@ -166,10 +212,11 @@ pub fn generation_eos_ids(dir: &Path) -> Result<Option<Vec<u32>>> {
     }
 }
 
-struct Fields<'a>(&'a Value);
+/// Typed reads of a config object's fields, with errors that name the field.
+pub(crate) struct Fields<'a>(pub(crate) &'a Value);
 
 impl Fields<'_> {
-    fn opt_usize(&self, name: &str) -> Result<Option<usize>> {
+    pub(crate) fn opt_usize(&self, name: &str) -> Result<Option<usize>> {
         match self.0.get(name) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v
@@ -179,18 +226,62 @@ impl Fields<'_> {
         }
     }
 
-    fn usize(&self, name: &str) -> Result<usize> {
+    pub(crate) fn usize(&self, name: &str) -> Result<usize> {
         self.opt_usize(name)?
             .with_context(|| format!("required field \"{name}\" is missing"))
     }
 
-    fn opt_f64(&self, name: &str) -> Result<Option<f64>> {
+    pub(crate) fn opt_f64(&self, name: &str) -> Result<Option<f64>> {
         match self.0.get(name) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v
                 .as_f64()
                 .map(Some)
                 .with_context(|| format!("field \"{name}\" must be a number, got {v}")),
+        }
+    }
+
+    pub(crate) fn opt_bool(&self, name: &str) -> Result<Option<bool>> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .with_context(|| format!("field \"{name}\" must be true or false, got {v}")),
+        }
+    }
+
+    /// A list of non-negative integers; None when absent or null.
+    pub(crate) fn opt_usize_list(&self, name: &str) -> Result<Option<Vec<usize>>> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64().map(|n| n as usize).with_context(|| {
+                        format!("field \"{name}\" must be a list of non-negative integers, got {v}")
+                    })
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => bail!("field \"{name}\" must be a list of non-negative integers, got {v}"),
+        }
+    }
+
+    /// A list of strings; None when absent or null.
+    pub(crate) fn opt_str_list(&self, name: &str) -> Result<Option<Vec<String>>> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_str()
+                        .map(str::to_owned)
+                        .with_context(|| format!("field \"{name}\" must be a list of strings, got {v}"))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => bail!("field \"{name}\" must be a list of strings, got {v}"),
         }
     }
 }

@@ -6,9 +6,14 @@
 pub mod cache;
 pub mod config;
 pub mod cpu_matmul;
+pub mod decoder;
+pub mod layers;
 pub mod loader;
+pub mod moe;
 pub mod parallel;
 pub mod qwen3;
+pub mod qwen3_5;
+pub mod qwen3_moe;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -43,6 +48,18 @@ pub struct LoadOptions {
 /// A loaded shard of any supported family.
 pub enum Model {
     Qwen3(qwen3::Model),
+    /// Qwen3 MoE, Qwen3.5 and Qwen3.5 MoE: decoders with per-layer mixers and feed-forwards
+    Decoder(decoder::Model),
+}
+
+/// Calls the same method on whichever model is loaded.
+macro_rules! dispatch {
+    ($self:expr, $model:ident => $call:expr) => {
+        match $self {
+            Model::Qwen3($model) => $call,
+            Model::Decoder($model) => $call,
+        }
+    };
 }
 
 impl Model {
@@ -57,47 +74,37 @@ impl Model {
         let loader = ShardLoader::new(files, options.device.clone(), dtype, progress);
         let model = match config.family {
             ModelFamily::Qwen3 | ModelFamily::Llama => Model::Qwen3(qwen3::Model::load(&loader, group, &config)?),
+            ModelFamily::Qwen3Moe => Model::Decoder(qwen3_moe::load(&loader, group, &config)?),
+            ModelFamily::Qwen3_5 | ModelFamily::Qwen3_5Moe => Model::Decoder(qwen3_5::load(&loader, group, &config)?),
         };
         Ok(model)
     }
 
     pub fn config(&self) -> &ModelConfig {
-        match self {
-            Model::Qwen3(model) => model.config(),
-        }
+        dispatch!(self, model => model.config())
     }
 
     pub fn group(&self) -> &TpGroup {
-        match self {
-            Model::Qwen3(model) => model.group(),
-        }
+        dispatch!(self, model => model.group())
     }
 
     pub fn new_sequence_cache(&self) -> SequenceCache {
-        match self {
-            Model::Qwen3(model) => model.new_sequence_cache(),
-        }
+        dispatch!(self, model => model.new_sequence_cache())
     }
 
     /// dtype the weights are held and computed in.
     pub fn dtype(&self) -> DType {
-        match self {
-            Model::Qwen3(model) => model.dtype(),
-        }
+        dispatch!(self, model => model.dtype())
     }
 
     /// Bytes of weights this rank holds.
     pub fn weight_bytes(&self) -> usize {
-        match self {
-            Model::Qwen3(model) => model.weight_bytes(),
-        }
+        dispatch!(self, model => model.weight_bytes())
     }
 
     /// Bytes of cache one token of one sequence takes on this rank.
     pub fn kv_bytes_per_token(&self) -> usize {
-        match self {
-            Model::Qwen3(model) => model.kv_bytes_per_token(),
-        }
+        dispatch!(self, model => model.kv_bytes_per_token())
     }
 
     /// Runs one step for a batch of sequences, creating caches for new sequences, and returns
@@ -105,7 +112,8 @@ impl Model {
     /// sample, on the sampling rank; None elsewhere or when no sequence samples.
     ///
     /// A sequence's `start_pos` may be below its cached length (the cache is rewound, e.g. for
-    /// a re-prefill) but not above it: positions cannot be skipped.
+    /// a re-prefill) but not above it: positions cannot be skipped. Models with recurrent
+    /// (linear-attention) state can only rewind to 0, which restarts the sequence.
     pub fn step(&self, batch: &[SequenceInput<'_>], store: &mut CacheStore) -> Result<Option<Tensor>> {
         let config = self.config();
         for (i, seq) in batch.iter().enumerate() {
@@ -134,6 +142,10 @@ impl Model {
                     seq.start_pos
                 );
             }
+            // Before any cache leaves the store: a refused rewind must not lose the others.
+            if let Some(cache) = store.get_mut(seq.seq_id) {
+                cache.check_truncate(seq.start_pos).with_context(|| format!("sequence {}", seq.seq_id))?;
+            }
         }
         // Take the caches out of the store so the forward pass can hold them all mutably.
         let mut caches: Vec<SequenceCache> = batch
@@ -145,9 +157,7 @@ impl Model {
             })
             .collect::<Result<_>>()?;
         let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().collect();
-        let result = match self {
-            Model::Qwen3(model) => model.forward(batch, &mut refs),
-        };
+        let result = dispatch!(self, model => model.forward(batch, &mut refs));
         // On failure the caches may be half-updated: drop them rather than keep corrupt state.
         if result.is_ok() {
             for (seq, cache) in batch.iter().zip(caches) {

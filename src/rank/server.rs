@@ -30,6 +30,8 @@ pub struct RankOptions {
     pub advertise_host: Option<String>,
     pub init_timeout: Duration,
     pub collective_timeout: Duration,
+    /// KV cache budget per model in bytes (None: derived from available memory)
+    pub kv_cache_bytes: Option<u64>,
 }
 
 pub struct RankService {
@@ -68,7 +70,7 @@ impl Rank for RankService {
                  run the same tpserve version on the coordinator and every rank"
             )));
         }
-        let (memory_total, memory_available) = memory_info();
+        let (memory_total, memory_available) = worker::memory_info();
         let shared = self.shared();
         Ok(Response::new(pb::InfoResponse {
             protocol_version: RANK_PROTOCOL_VERSION,
@@ -224,19 +226,6 @@ fn checkpoint_bytes(path: &str) -> u64 {
         .sum()
 }
 
-/// (MemTotal, MemAvailable) in bytes from /proc/meminfo; zeros where unavailable.
-fn memory_info() -> (u64, u64) {
-    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else { return (0, 0) };
-    let field = |name: &str| {
-        text.lines()
-            .find(|line| line.starts_with(name))
-            .and_then(|line| line.split_whitespace().nth(1))
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map_or(0, |kb| kb * 1024)
-    };
-    (field("MemTotal:"), field("MemAvailable:"))
-}
-
 /// Runs a rank server until Shutdown, SIGINT or SIGTERM.
 pub async fn run(options: RankOptions) -> anyhow::Result<()> {
     let options = Arc::new(options);
@@ -246,6 +235,7 @@ pub async fn run(options: RankOptions) -> anyhow::Result<()> {
             device: options.device.clone(),
             default_init_timeout: options.init_timeout,
             collective_timeout: options.collective_timeout,
+            kv_cache_bytes: options.kv_cache_bytes,
         },
         shared.clone(),
     )?;
@@ -277,7 +267,7 @@ pub async fn run(options: RankOptions) -> anyhow::Result<()> {
             _ = crate::cli::termination_signal() => {}
         }
     };
-    listener.serve(router, stop).await?;
+    router.serve_with_incoming_shutdown(listener.into_incoming(), stop).await?;
     if let Some(comm) = shared.lock().unwrap_or_else(|p| p.into_inner()).communicator.take() {
         comm.abort();
     }

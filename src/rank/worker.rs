@@ -46,6 +46,9 @@ pub struct SharedState {
 
 pub struct WorkerConfig {
     pub device: Device,
+    /// KV cache budget in bytes per loaded model; None: a share of the memory available after
+    /// loading the weights
+    pub kv_cache_bytes: Option<u64>,
     pub default_init_timeout: Duration,
     pub collective_timeout: Duration,
 }
@@ -75,6 +78,8 @@ struct Shard {
     caches: CacheStore,
     /// sampling-rank state per sequence
     sequences: HashMap<u64, SequenceTokens>,
+    /// most cached tokens (over all sequences) this rank accepts
+    capacity: usize,
 }
 
 /// The tokens a sequence has been fed, for penalties, and its sampler.
@@ -87,6 +92,13 @@ struct SequenceTokens {
 }
 
 impl Worker {
+    /// KV capacity in tokens from the configured budget, or, without one, half of the memory
+    /// available now divided by the group size (on one host the ranks share that memory).
+    fn kv_capacity_tokens(&self, bytes_per_token: u64, world_size: usize) -> u64 {
+        let budget = self.config.kv_cache_bytes.unwrap_or_else(|| available_memory_bytes() / 2 / world_size.max(1) as u64);
+        budget / bytes_per_token.max(1)
+    }
+
     fn handle(&mut self, command: Command) {
         match command {
             Command::Init { request, rendezvous, reply } => {
@@ -182,10 +194,12 @@ impl Worker {
         let started = Instant::now();
         let model = Model::load(&path, &group, &options, progress)
             .map_err(|err| Status::invalid_argument(format!("cannot load {}: {err:#}", path.display())))?;
-        let info = shard_info(&model);
+        let mut info = shard_info(&model);
+        info.kv_capacity_tokens = self.kv_capacity_tokens(info.kv_bytes_per_token, group.world_size);
         tracing::info!(model = %request.model_id, path = %path.display(), elapsed = ?started.elapsed(), "shard loaded");
         // Replacing a model drops its old caches with it.
-        self.models.insert(request.model_id, Shard { model, caches: CacheStore::default(), sequences: HashMap::new() });
+        let capacity = info.kv_capacity_tokens as usize;
+        self.models.insert(request.model_id, Shard { model, caches: CacheStore::default(), sequences: HashMap::new(), capacity });
         self.publish_models();
         Ok(info)
     }
@@ -218,6 +232,7 @@ impl Worker {
                 sample: seq.sample,
             })
             .collect();
+        check_capacity(shard, &inputs)?;
         let logits = shard.model.step(&inputs, &mut shard.caches).map_err(step_error)?;
         let mut tokens = Vec::new();
         for seq in &request.sequences {
@@ -330,6 +345,24 @@ fn sampling_params(p: &pb::SamplingParams) -> SamplingParams {
     }
 }
 
+/// The coordinator admits within capacity; this is the rank's own guard against overcommitting
+/// its memory (e.g. a second coordinator, or a bug).
+fn check_capacity(shard: &mut Shard, inputs: &[SequenceInput<'_>]) -> Result<(), Status> {
+    let mut after = shard.caches.cached_tokens();
+    for input in inputs {
+        let cached = shard.caches.get_mut(input.seq_id).map_or(0, |c| c.len);
+        // The sequence keeps its first start_pos cached positions and adds its new tokens.
+        after = after - cached + input.start_pos.min(cached) + input.tokens.len();
+    }
+    if after > shard.capacity {
+        return Err(Status::resource_exhausted(format!(
+            "this step would hold {after} tokens of KV cache but this rank's capacity is {}",
+            shard.capacity
+        )));
+    }
+    Ok(())
+}
+
 fn not_initialized() -> Status {
     Status::failed_precondition("this rank has not joined a communicator yet (Init first)")
 }
@@ -369,5 +402,23 @@ fn shard_info(model: &Model) -> pb::ShardInfo {
         dtype: format!("{:?}", model.dtype()).to_lowercase(),
         weight_bytes: model.weight_bytes() as u64,
         kv_bytes_per_token: model.kv_bytes_per_token() as u64,
+        kv_capacity_tokens: 0,
     }
+}
+
+fn available_memory_bytes() -> u64 {
+    memory_info().1
+}
+
+/// (MemTotal, MemAvailable) in bytes from /proc/meminfo; zeros where unavailable.
+pub fn memory_info() -> (u64, u64) {
+    let Ok(text) = std::fs::read_to_string("/proc/meminfo") else { return (0, 0) };
+    let field = |name: &str| {
+        text.lines()
+            .find(|line| line.starts_with(name))
+            .and_then(|line| line.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("MemTotal:"), field("MemAvailable:"))
 }

@@ -1,0 +1,187 @@
+//! A pre-norm decoder whose layers choose their token mixer (full attention or Gated DeltaNet
+//! linear attention) and their feed-forward (dense SwiGLU or sparse MoE): the shape shared by
+//! Qwen3 MoE and the Qwen3.5 hybrids. The family files (`qwen3_moe.rs`, `qwen3_5.rs`) read their
+//! configs and build it.
+//!
+//! Per layer: RMSNorm -> mixer -> residual -> RMSNorm -> feed-forward -> residual, with one
+//! all-reduce in each of mixer and feed-forward. A step's sequences are concatenated for every
+//! linear layer and split only where state is per sequence (attention, the recurrence).
+
+use anyhow::{Result, bail};
+use candle_core::{DType, Tensor};
+
+use super::cache::{LayerCache, SequenceCache};
+use super::config::ModelConfig;
+use super::layers::{Attention, Mlp, NormWeight, RmsNorm};
+use super::loader::ShardLoader;
+use super::moe::SparseMoe;
+use super::parallel::{ParallelLmHead, TpGroup, VocabParallelEmbedding};
+use super::qwen3::Rotary;
+use super::qwen3_5::GatedDeltaNet;
+use super::SequenceInput;
+
+/// How a layer mixes information across positions.
+pub enum TokenMixer {
+    Attention(Attention),
+    Linear(GatedDeltaNet),
+}
+
+pub enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+impl FeedForward {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(mlp) => mlp.forward(x),
+            Self::Sparse(moe) => moe.forward(x),
+        }
+    }
+
+    fn weights(&self) -> Vec<&Tensor> {
+        match self {
+            Self::Dense(mlp) => mlp.weights(),
+            Self::Sparse(moe) => moe.weights(),
+        }
+    }
+}
+
+pub struct DecoderLayer {
+    pub input_norm: RmsNorm,
+    pub mixer: TokenMixer,
+    pub post_attention_norm: RmsNorm,
+    pub ffn: FeedForward,
+}
+
+impl DecoderLayer {
+    fn weights(&self) -> Vec<&Tensor> {
+        let mut all = vec![self.input_norm.weight(), self.post_attention_norm.weight()];
+        all.extend(match &self.mixer {
+            TokenMixer::Attention(attention) => attention.weights(),
+            TokenMixer::Linear(linear) => linear.weights(),
+        });
+        all.extend(self.ffn.weights());
+        all
+    }
+}
+
+/// A causal LM shard built of [`DecoderLayer`]s.
+pub struct Model {
+    embed: VocabParallelEmbedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: ParallelLmHead,
+    rotary: Rotary,
+    config: ModelConfig,
+    group: TpGroup,
+}
+
+impl Model {
+    /// Loads the embedding, final norm and LM head around `layers`. `model` is the loader of
+    /// the language model's prefix (`model` or `model.language_model`); `root` the checkpoint's
+    /// top level, where `lm_head` lives.
+    pub fn assemble(
+        root: &ShardLoader,
+        model: &ShardLoader,
+        group: &TpGroup,
+        config: &ModelConfig,
+        layers: Vec<DecoderLayer>,
+        norm_weight: NormWeight,
+        rotary_dim: usize,
+    ) -> Result<Self> {
+        let embed = VocabParallelEmbedding::load(model, group, "embed_tokens", config.vocab_size, config.hidden_size)?;
+        let norm = RmsNorm::load(model, "norm", config.hidden_size, config.rms_norm_eps, norm_weight)?;
+        let lm_head = if root.contains("lm_head.weight") && !config.tie_word_embeddings {
+            ParallelLmHead::load(root, group, "lm_head", config.vocab_size, config.hidden_size)?
+        } else if config.tie_word_embeddings {
+            ParallelLmHead::tied(&embed, group)
+        } else {
+            bail!("tensor \"lm_head.weight\" is missing and tie_word_embeddings is false");
+        };
+        let rotary = Rotary::new(rotary_dim, config.rope_theta, config.max_position_embeddings, root.device())?;
+        Ok(Self { embed, layers, norm, lm_head, rotary, config: config.clone(), group: group.clone() })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn group(&self) -> &TpGroup {
+        &self.group
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.embed.weight().dtype()
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        let mut all = vec![self.embed.weight(), self.norm.weight()];
+        if !self.config.tie_word_embeddings {
+            all.push(self.lm_head.weight());
+        }
+        for layer in &self.layers {
+            all.extend(layer.weights());
+        }
+        all.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+
+    /// Bytes one more token adds to a sequence's cache on this rank. Linear-attention layers
+    /// add none: their state has a fixed size per sequence.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        let elements: usize = self
+            .layers
+            .iter()
+            .map(|layer| match &layer.mixer {
+                TokenMixer::Attention(attention) => attention.kv_elements_per_token(),
+                TokenMixer::Linear(_) => 0,
+            })
+            .sum();
+        elements * self.dtype().size_in_bytes()
+    }
+
+    pub fn new_sequence_cache(&self) -> SequenceCache {
+        SequenceCache::new(self.layers.len(), |i| matches!(self.layers[i].mixer, TokenMixer::Linear(_)))
+    }
+
+    /// Runs the new tokens of every sequence and returns the logits of each sampling
+    /// sequence's last token, [sampling sequences, vocab] in f32, on the sampling rank.
+    pub fn forward(&self, batch: &[SequenceInput<'_>], caches: &mut [&mut SequenceCache]) -> Result<Option<Tensor>> {
+        let device = self.embed.weight().device().clone();
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut last_rows = Vec::with_capacity(batch.len());
+        for seq in batch {
+            ids.extend_from_slice(seq.tokens);
+            positions.extend((seq.start_pos..seq.start_pos + seq.tokens.len()).map(|p| p as u32));
+            if seq.sample {
+                last_rows.push((ids.len() - 1) as u32);
+            }
+        }
+        let positions = Tensor::from_vec(positions, ids.len(), &device)?;
+        let mut hidden = self.embed.forward(&ids)?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            let mut layer_caches: Vec<&mut LayerCache> = caches.iter_mut().map(|c| &mut c.layers[index]).collect();
+            let normed = layer.input_norm.forward(&hidden)?;
+            let mixed = match &layer.mixer {
+                TokenMixer::Attention(attention) => {
+                    attention.forward(&normed, batch, &positions, &self.rotary, &mut layer_caches)?
+                }
+                TokenMixer::Linear(linear) => linear.forward(&normed, batch, &mut layer_caches)?,
+            };
+            hidden = (hidden + mixed)?;
+            let normed = layer.post_attention_norm.forward(&hidden)?;
+            hidden = (&hidden + layer.ffn.forward(&normed)?)?;
+        }
+        for (seq, cache) in batch.iter().zip(caches.iter_mut()) {
+            cache.len = seq.start_pos + seq.tokens.len();
+        }
+        // Every rank sees the same batch, so all of them agree on skipping the gather.
+        if last_rows.is_empty() {
+            return Ok(None);
+        }
+        let count = last_rows.len();
+        let last = hidden.index_select(&Tensor::from_vec(last_rows, count, &device)?, 0)?;
+        self.lm_head.forward(&self.norm.forward(&last)?)
+    }
+}

@@ -1,0 +1,229 @@
+//! Layers shared by the Qwen3 MoE and Qwen3.5 families: RMSNorm with either weight convention,
+//! GQA attention with an optional per-head output gate and partial rotary, and the SwiGLU MLP.
+//!
+//! Every layer takes the step's tokens concatenated, [tokens, hidden]; attention splits them
+//! per sequence against each sequence's own KV cache.
+
+use anyhow::{Result, bail};
+use candle_core::{DType, Tensor};
+
+use super::SequenceInput;
+use super::cache::LayerCache;
+use super::loader::ShardLoader;
+use super::parallel::{ColumnParallelLinear, HeadLayout, RowParallelLinear, RowSlice, TpGroup};
+use super::qwen3::{Rotary, attend};
+
+/// How a checkpoint stores an RMSNorm's scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NormWeight {
+    /// the layer scales by w (Qwen3, Llama; and Qwen3.5's gated norm)
+    Plain,
+    /// the layer scales by 1 + w, so a zero-initialised w is the identity (Qwen3.5)
+    OffsetFromOne,
+}
+
+/// RMSNorm computed in f32 (as transformers does), the result cast back to the input's dtype.
+pub struct RmsNorm {
+    /// the effective scale (1 + w for [`NormWeight::OffsetFromOne`]), f32
+    scale: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn load(loader: &ShardLoader, name: &str, size: usize, eps: f64, kind: NormWeight) -> Result<Self> {
+        let weight = loader.tensor(&format!("{name}.weight"), &[size])?.to_dtype(DType::F32)?;
+        // transformers computes `1.0 + w.float()` on every call; adding once here gives the same
+        // f32 value.
+        let scale = match kind {
+            NormWeight::Plain => weight,
+            NormWeight::OffsetFromOne => (weight + 1.0)?,
+        };
+        Ok(Self { scale, eps })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
+        Ok(candle_nn::ops::rms_norm(&x, &self.scale, self.eps as f32)?.to_dtype(dtype)?)
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.scale
+    }
+}
+
+/// Shape of an attention layer.
+#[derive(Debug, Clone)]
+pub struct AttentionConfig {
+    pub hidden_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// leading dimensions of each head that RoPE rotates (head_dim unless partial rotary)
+    pub rotary_dim: usize,
+    /// q_proj carries a sigmoid output gate per head: [query | gate] rows for every head
+    pub gated: bool,
+    pub bias: bool,
+    pub norm: NormWeight,
+    pub eps: f64,
+}
+
+/// Causal GQA attention: q/k/v column-parallel by head (each head's [query | gate] rows stay on
+/// one rank), per-head q/k RMSNorm, RoPE on the first `rotary_dim` dims, o_proj row-parallel.
+pub struct Attention {
+    qkv: ColumnParallelLinear,
+    o_proj: RowParallelLinear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    heads: HeadLayout,
+    head_dim: usize,
+    rotary_dim: usize,
+    gated: bool,
+}
+
+impl Attention {
+    pub fn load(loader: &ShardLoader, group: &TpGroup, config: &AttentionConfig) -> Result<Self> {
+        let hd = config.head_dim;
+        let heads = HeadLayout::new(group, config.num_heads, config.num_kv_heads)?;
+        // With a gate, q_proj holds 2 * head_dim rows per head, so head h's rows (query and
+        // gate together) are h * 2hd .. (h + 1) * 2hd.
+        let q_width = if config.gated { 2 * hd } else { hd };
+        let q_rows = heads.q_rows(q_width);
+        let kv_rows = heads.kv_rows(hd);
+        let kv_full = config.num_kv_heads * hd;
+        let qkv = ColumnParallelLinear::load_fused(
+            loader,
+            &[
+                (RowSlice { name: "q_proj", rows: vec![q_rows] }, config.num_heads * q_width),
+                (RowSlice { name: "k_proj", rows: vec![kv_rows.clone()] }, kv_full),
+                (RowSlice { name: "v_proj", rows: vec![kv_rows] }, kv_full),
+            ],
+            config.hidden_size,
+            config.bias,
+        )?;
+        let o_proj = RowParallelLinear::load_columns(
+            loader,
+            group,
+            "o_proj",
+            config.hidden_size,
+            config.num_heads * hd,
+            &[heads.q_rows(hd)],
+            config.bias,
+        )?;
+        Ok(Self {
+            qkv,
+            o_proj,
+            q_norm: RmsNorm::load(loader, "q_norm", hd, config.eps, config.norm)?,
+            k_norm: RmsNorm::load(loader, "k_norm", hd, config.eps, config.norm)?,
+            heads,
+            head_dim: hd,
+            rotary_dim: config.rotary_dim,
+            gated: config.gated,
+        })
+    }
+
+    pub fn weights(&self) -> Vec<&Tensor> {
+        let mut all = self.qkv.weights();
+        all.extend(self.o_proj.weights());
+        all.extend([self.q_norm.weight(), self.k_norm.weight()]);
+        all
+    }
+
+    /// Elements of keys and values one token adds to this rank's cache.
+    pub fn kv_elements_per_token(&self) -> usize {
+        2 * self.heads.local_kv_heads * self.head_dim
+    }
+
+    /// x [tokens, hidden] -> [tokens, hidden]; `caches` are this layer's caches, one per sequence.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        batch: &[SequenceInput<'_>],
+        positions: &Tensor,
+        rotary: &Rotary,
+        caches: &mut [&mut LayerCache],
+    ) -> Result<Tensor> {
+        let tokens = x.dim(0)?;
+        let (hd, lq, lkv) = (self.head_dim, self.heads.local_q_heads, self.heads.local_kv_heads);
+        let parts = self.qkv.forward_split(x)?;
+        let (q, gate) = if self.gated {
+            let q_gate = parts[0].reshape((tokens, lq, 2 * hd))?;
+            (q_gate.narrow(2, 0, hd)?, Some(q_gate.narrow(2, hd, hd)?.reshape((tokens, lq * hd))?))
+        } else {
+            (parts[0].reshape((tokens, lq, hd))?, None)
+        };
+        let q = self.q_norm.forward(&q)?;
+        let k = self.k_norm.forward(&parts[1].reshape((tokens, lkv, hd))?)?;
+        // [1, heads, tokens, head_dim] for the RoPE kernel
+        let q = self.rotate(&q.transpose(0, 1)?.unsqueeze(0)?, positions, rotary)?.squeeze(0)?;
+        let k = self.rotate(&k.transpose(0, 1)?.unsqueeze(0)?, positions, rotary)?.squeeze(0)?;
+        let v = parts[2].reshape((tokens, lkv, hd))?.transpose(0, 1)?;
+
+        let mut outputs = Vec::with_capacity(batch.len());
+        let mut offset = 0;
+        for (seq, cache) in batch.iter().zip(caches.iter_mut()) {
+            let n = seq.tokens.len();
+            let LayerCache::Attention(kv) = &mut **cache else {
+                bail!("sequence {}: an attention layer was given a recurrent cache", seq.seq_id);
+            };
+            let (keys, values) = kv.append(&k.narrow(1, offset, n)?, &v.narrow(1, offset, n)?)?;
+            outputs.push(attend(&q.narrow(1, offset, n)?, &keys, &values, seq.start_pos, lkv, hd)?);
+            offset += n;
+        }
+        let attended = Tensor::cat(&outputs, 0)?; // [tokens, lq * hd]
+        let attended = match gate {
+            Some(gate) => (attended * candle_nn::ops::sigmoid(&gate)?)?,
+            None => attended,
+        };
+        self.o_proj.forward(&attended)
+    }
+
+    /// RoPE on the first `rotary_dim` dims of x [1, heads, tokens, head_dim]; the rest pass
+    /// through. (Qwen3.5's multimodal RoPE gives text tokens equal temporal, height and width
+    /// positions, so for text it is exactly this.)
+    fn rotate(&self, x: &Tensor, positions: &Tensor, rotary: &Rotary) -> Result<Tensor> {
+        if self.rotary_dim == self.head_dim {
+            return rotary.apply(x, positions);
+        }
+        let rotated = rotary.apply(&x.narrow(3, 0, self.rotary_dim)?, positions)?;
+        let passed = x.narrow(3, self.rotary_dim, self.head_dim - self.rotary_dim)?;
+        Ok(Tensor::cat(&[&rotated, &passed], 3)?)
+    }
+}
+
+/// SwiGLU MLP: gate/up column-parallel on the intermediate dimension, down row-parallel.
+pub struct Mlp {
+    gate_up: ColumnParallelLinear,
+    down: RowParallelLinear,
+}
+
+impl Mlp {
+    /// `field` names the intermediate size in config.json, for the divisibility error.
+    pub fn load(loader: &ShardLoader, group: &TpGroup, hidden: usize, intermediate: usize, field: &str) -> Result<Self> {
+        let rows = group.part(field, intermediate)?;
+        let gate_up = ColumnParallelLinear::load_fused(
+            loader,
+            &[
+                (RowSlice { name: "gate_proj", rows: vec![rows.clone()] }, intermediate),
+                (RowSlice { name: "up_proj", rows: vec![rows.clone()] }, intermediate),
+            ],
+            hidden,
+            false,
+        )?;
+        let down = RowParallelLinear::load_columns(loader, group, "down_proj", hidden, intermediate, &[rows], false)?;
+        Ok(Self { gate_up, down })
+    }
+
+    pub fn weights(&self) -> Vec<&Tensor> {
+        let mut all = self.gate_up.weights();
+        all.extend(self.down.weights());
+        all
+    }
+
+    /// [tokens, hidden] -> [tokens, hidden], summed over ranks.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let parts = self.gate_up.forward_split(x)?;
+        let activated = (candle_nn::ops::silu(&parts[0])? * &parts[1])?;
+        self.down.forward(&activated)
+    }
+}

@@ -1,0 +1,621 @@
+//! Qwen3.5 (dense and MoE), tensor-parallel: Gated DeltaNet linear-attention layers
+//! interleaved with gated full-attention layers.
+//!
+//! - Gated DeltaNet: in_proj_qkv, a depthwise causal convolution over [q | k | v], per-head L2
+//!   normalised q and k, and the gated delta rule (a per-head [key_dim, value_dim] memory that
+//!   decays by exp(g) and is corrected towards each new value with strength beta), then an
+//!   RMSNorm gated by silu(z) and out_proj. Split by value head; a rank also holds the key heads
+//!   its value heads read.
+//! - Full attention: q_proj carries a sigmoid output gate per head, q/k are RMSNormed, RoPE
+//!   rotates the first `partial_rotary_factor` of each head.
+//! - Every RMSNorm but the gated one scales by (1 + w).
+//!
+//! Two checkpoint layouts load: the text-only classes' (model_type qwen3_5_text or
+//! qwen3_5_moe_text, tensors `model.*`) and the hub's multimodal wrapper (qwen3_5 or qwen3_5_moe,
+//! config under "text_config", tensors `model.language_model.*`, plus vision tower and
+//! multi-token-prediction tensors that are never read).
+
+use std::ops::Range;
+
+use anyhow::{Context, Result, bail};
+use candle_core::{D, DType, Device, Tensor};
+use serde_json::Value;
+
+use super::SequenceInput;
+use super::cache::{LayerCache, RecurrentState};
+use super::config::{Fields, ModelConfig, ModelFamily};
+use super::decoder::{self, DecoderLayer, FeedForward, TokenMixer};
+use super::layers::{Attention, AttentionConfig, Mlp, NormWeight, RmsNorm};
+use super::loader::ShardLoader;
+use super::moe::{MoeConfig, SparseMoe};
+use super::parallel::{ColumnParallelLinear, HeadLayout, RowParallelLinear, RowSlice, TpGroup};
+
+/// Tokens per block of the chunked delta rule (as transformers' torch_chunk_gated_delta_rule).
+const CHUNK: usize = 64;
+/// The epsilon of the q/k L2 normalisation, as in the FLA kernels.
+const L2_EPS: f64 = 1e-6;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LayerType {
+    LinearAttention,
+    FullAttention,
+}
+
+/// Shape of the Gated DeltaNet layers.
+#[derive(Debug, Clone)]
+struct LinearConfig {
+    conv_kernel: usize,
+    key_head_dim: usize,
+    value_head_dim: usize,
+    num_key_heads: usize,
+    num_value_heads: usize,
+}
+
+/// Qwen3.5's own hyper-parameters; the common ones are in [`ModelConfig`].
+#[derive(Debug, Clone)]
+struct HybridConfig {
+    layer_types: Vec<LayerType>,
+    linear: LinearConfig,
+    rotary_dim: usize,
+    /// Some for Qwen3.5 MoE
+    moe: Option<MoeConfig>,
+}
+
+impl HybridConfig {
+    fn parse(config: &ModelConfig) -> Result<Self> {
+        let text = &config.text_config;
+        let fields = Fields(text);
+        let layers = config.num_hidden_layers;
+        let layer_types = match fields.opt_str_list("layer_types")? {
+            Some(names) => {
+                if names.len() != layers {
+                    bail!("layer_types has {} entries but num_hidden_layers is {layers}", names.len());
+                }
+                names
+                    .iter()
+                    .map(|name| match name.as_str() {
+                        "linear_attention" => Ok(LayerType::LinearAttention),
+                        "full_attention" => Ok(LayerType::FullAttention),
+                        other => bail!(
+                            "layer_types: unknown layer type \"{other}\" (expected linear_attention or full_attention)"
+                        ),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+            // transformers' default: every full_attention_interval-th layer is full attention.
+            None => {
+                let interval = fields.opt_usize("full_attention_interval")?.unwrap_or(4);
+                if interval == 0 {
+                    bail!("full_attention_interval must be positive");
+                }
+                (0..layers)
+                    .map(|i| if (i + 1) % interval == 0 { LayerType::FullAttention } else { LayerType::LinearAttention })
+                    .collect()
+            }
+        };
+        // Defaults are transformers' Qwen3_5TextConfig defaults.
+        let linear = LinearConfig {
+            conv_kernel: fields.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+            key_head_dim: fields.opt_usize("linear_key_head_dim")?.unwrap_or(128),
+            value_head_dim: fields.opt_usize("linear_value_head_dim")?.unwrap_or(128),
+            num_key_heads: fields.opt_usize("linear_num_key_heads")?.unwrap_or(16),
+            num_value_heads: fields.opt_usize("linear_num_value_heads")?.unwrap_or(32),
+        };
+        for (name, value) in [
+            ("linear_conv_kernel_dim", linear.conv_kernel),
+            ("linear_key_head_dim", linear.key_head_dim),
+            ("linear_value_head_dim", linear.value_head_dim),
+            ("linear_num_key_heads", linear.num_key_heads),
+            ("linear_num_value_heads", linear.num_value_heads),
+        ] {
+            if value == 0 {
+                bail!("{name} must be positive");
+            }
+        }
+        if linear.num_value_heads % linear.num_key_heads != 0 {
+            bail!(
+                "linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
+                linear.num_value_heads,
+                linear.num_key_heads
+            );
+        }
+        let moe = match config.family {
+            ModelFamily::Qwen3_5Moe => Some(MoeConfig::qwen3_5_moe(text)?),
+            _ => None,
+        };
+        Ok(Self { layer_types, linear, rotary_dim: rotary_dim(text, config.head_dim)?, moe })
+    }
+}
+
+/// `int(head_dim * partial_rotary_factor)`, the factor read from rope_parameters (transformers 5)
+/// or the top level, defaulting to Qwen3.5's 0.25.
+///
+/// rope_parameters may also carry mrope_section / mrope_interleaved: Qwen3.5's multimodal RoPE
+/// takes temporal, height and width positions for different frequency bands, but a text token
+/// has all three equal to its position, so every band gets the ordinary angle and the layout
+/// reduces to plain RoPE on the first rotary_dim dims.
+fn rotary_dim(text: &Value, head_dim: usize) -> Result<usize> {
+    let nested = text.get("rope_parameters").and_then(|p| p.get("partial_rotary_factor"));
+    let factor = match nested.or_else(|| text.get("partial_rotary_factor")) {
+        None | Some(Value::Null) => 0.25,
+        Some(v) => v
+            .as_f64()
+            .filter(|f| *f > 0.0 && *f <= 1.0)
+            .with_context(|| format!("partial_rotary_factor must be a number in (0, 1], got {v}"))?,
+    };
+    let dim = (head_dim as f64 * factor) as usize;
+    if dim == 0 || dim % 2 != 0 {
+        bail!("partial_rotary_factor {factor} of head_dim {head_dim} gives {dim} rotary dims; it must be a positive even number");
+    }
+    Ok(dim)
+}
+
+/// Deliberate faults that prove the parity tests can fail, chosen with the environment variable
+/// TPSERVE_TEST_BREAK (comma-separated names) when a model loads. Never set it in production.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TestBreaks {
+    /// scale the (1 + w) RMSNorms by plain w
+    pub plain_rms_weight: bool,
+    /// forget the convolution history between the chunks of a chunked prefill
+    pub drop_conv_state: bool,
+}
+
+impl TestBreaks {
+    #[doc(hidden)]
+    pub const ENV: &'static str = "TPSERVE_TEST_BREAK";
+
+    fn from_env() -> Result<Self> {
+        let mut breaks = Self::default();
+        let Ok(value) = std::env::var(Self::ENV) else {
+            return Ok(breaks);
+        };
+        for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "plain_rms_weight" => breaks.plain_rms_weight = true,
+                "drop_conv_state" => breaks.drop_conv_state = true,
+                other => bail!("{}: unknown fault \"{other}\" (plain_rms_weight, drop_conv_state)", Self::ENV),
+            }
+        }
+        if breaks.plain_rms_weight || breaks.drop_conv_state {
+            tracing::warn!("{} is set: this Qwen3.5 model is deliberately wrong ({breaks:?})", Self::ENV);
+        }
+        Ok(breaks)
+    }
+}
+
+/// Loads a Qwen3.5 or Qwen3.5 MoE shard.
+pub fn load(loader: &ShardLoader, group: &TpGroup, config: &ModelConfig) -> Result<decoder::Model> {
+    let hybrid = HybridConfig::parse(config)?;
+    let breaks = TestBreaks::from_env()?;
+    // Every divisibility requirement, before any bytes are read.
+    if hybrid.layer_types.contains(&LayerType::FullAttention) {
+        HeadLayout::new(group, config.num_attention_heads, config.num_key_value_heads)?;
+    }
+    if hybrid.layer_types.contains(&LayerType::LinearAttention) {
+        LinearHeads::new(group, &hybrid.linear)?;
+    }
+    match &hybrid.moe {
+        Some(moe) => moe.check_divisible(group)?,
+        None => group.check_divisible("intermediate_size", config.intermediate_size)?,
+    }
+
+    let norm = if breaks.plain_rms_weight { NormWeight::Plain } else { NormWeight::OffsetFromOne };
+    let attention = AttentionConfig {
+        hidden_size: config.hidden_size,
+        num_heads: config.num_attention_heads,
+        num_kv_heads: config.num_key_value_heads,
+        head_dim: config.head_dim,
+        rotary_dim: hybrid.rotary_dim,
+        gated: true,
+        bias: config.attention_bias,
+        norm,
+        eps: config.rms_norm_eps,
+    };
+    let model = if loader.contains("model.language_model.embed_tokens.weight") {
+        loader.pp("model.language_model")
+    } else {
+        loader.pp("model")
+    };
+    let (h, eps) = (config.hidden_size, config.rms_norm_eps);
+    let layers = hybrid
+        .layer_types
+        .iter()
+        .enumerate()
+        .map(|(i, kind)| {
+            let layer = model.pp(format!("layers.{i}"));
+            let mixer = match kind {
+                LayerType::FullAttention => TokenMixer::Attention(Attention::load(&layer.pp("self_attn"), group, &attention)?),
+                LayerType::LinearAttention => TokenMixer::Linear(GatedDeltaNet::load(
+                    &layer.pp("linear_attn"),
+                    group,
+                    config,
+                    &hybrid.linear,
+                    breaks.drop_conv_state,
+                )?),
+            };
+            let mlp = layer.pp("mlp");
+            let ffn = match &hybrid.moe {
+                Some(moe) => FeedForward::Sparse(SparseMoe::load(&mlp, group, h, moe)?),
+                None => FeedForward::Dense(Mlp::load(&mlp, group, h, config.intermediate_size, "intermediate_size")?),
+            };
+            Ok(DecoderLayer {
+                input_norm: RmsNorm::load(&layer, "input_layernorm", h, eps, norm)?,
+                mixer,
+                post_attention_norm: RmsNorm::load(&layer, "post_attention_layernorm", h, eps, norm)?,
+                ffn,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    decoder::Model::assemble(loader, &model, group, config, layers, norm, hybrid.rotary_dim)
+}
+
+/// Which linear-attention heads a rank owns: an equal share of the value heads, and the key
+/// heads they read. Value head v reads key head v / (value heads per key head), so a rank's key
+/// heads are contiguous too; when a key head's group of value heads straddles two ranks, both
+/// hold it.
+#[derive(Debug, Clone)]
+struct LinearHeads {
+    first_value: usize,
+    local_values: usize,
+    first_key: usize,
+    local_keys: usize,
+    /// for every local value head, the local index of the key head it reads
+    key_of_value: Vec<u32>,
+}
+
+impl LinearHeads {
+    fn new(group: &TpGroup, config: &LinearConfig) -> Result<Self> {
+        let values = group.part("linear_num_value_heads", config.num_value_heads)?;
+        let per_key = config.num_value_heads / config.num_key_heads;
+        let first_key = values.start / per_key;
+        let last_key = (values.end - 1) / per_key;
+        let key_of_value = values.clone().map(|v| (v / per_key - first_key) as u32).collect();
+        Ok(Self {
+            first_value: values.start,
+            local_values: values.len(),
+            first_key,
+            local_keys: last_key - first_key + 1,
+            key_of_value,
+        })
+    }
+
+    fn values(&self) -> Range<usize> {
+        self.first_value..self.first_value + self.local_values
+    }
+
+    fn keys(&self) -> Range<usize> {
+        self.first_key..self.first_key + self.local_keys
+    }
+}
+
+fn scaled(range: Range<usize>, factor: usize, offset: usize) -> Range<usize> {
+    offset + range.start * factor..offset + range.end * factor
+}
+
+/// A Gated DeltaNet (linear attention) layer: this rank's heads.
+pub struct GatedDeltaNet {
+    /// this rank's rows of in_proj_qkv ([q | k | v] of its heads), in_proj_z, in_proj_b, in_proj_a
+    in_proj: ColumnParallelLinear,
+    /// depthwise causal convolution over the local [q | k | v] channels, [kernel, channels]:
+    /// one row per tap, so a tap is one broadcast multiply over the tokens
+    conv: Tensor,
+    /// -exp(A_log) per local value head, f32 (the gates are computed on the host)
+    neg_a: Vec<f32>,
+    dt_bias: Vec<f32>,
+    /// the gated norm scales by plain w
+    norm: RmsNorm,
+    out_proj: RowParallelLinear,
+    heads: LinearHeads,
+    key_of_value: Tensor, // [local value heads] u32
+    key_head_dim: usize,
+    value_head_dim: usize,
+    kernel: usize,
+    drop_conv_state: bool,
+}
+
+impl GatedDeltaNet {
+    fn load(
+        loader: &ShardLoader,
+        group: &TpGroup,
+        config: &ModelConfig,
+        linear: &LinearConfig,
+        drop_conv_state: bool,
+    ) -> Result<Self> {
+        let heads = LinearHeads::new(group, linear)?;
+        let (dk, dv, kernel) = (linear.key_head_dim, linear.value_head_dim, linear.conv_kernel);
+        let key_dim = linear.num_key_heads * dk;
+        let value_dim = linear.num_value_heads * dv;
+        let conv_dim = 2 * key_dim + value_dim;
+        // The fused [q | k | v] rows, and the conv channels that follow them, cut region by region.
+        let channels = vec![
+            scaled(heads.keys(), dk, 0),
+            scaled(heads.keys(), dk, key_dim),
+            scaled(heads.values(), dv, 2 * key_dim),
+        ];
+        let value_rows = scaled(heads.values(), dv, 0);
+        let nv = linear.num_value_heads;
+        let in_proj = ColumnParallelLinear::load_fused(
+            loader,
+            &[
+                (RowSlice { name: "in_proj_qkv", rows: channels.clone() }, conv_dim),
+                (RowSlice { name: "in_proj_z", rows: vec![value_rows.clone()] }, value_dim),
+                (RowSlice { name: "in_proj_b", rows: vec![heads.values()] }, nv),
+                (RowSlice { name: "in_proj_a", rows: vec![heads.values()] }, nv),
+            ],
+            config.hidden_size,
+            false,
+        )?;
+        let local_channels: usize = channels.iter().map(|r| r.len()).sum();
+        let conv = loader
+            .slice("conv1d.weight", &[conv_dim, 1, kernel], 0, &channels)?
+            .reshape((local_channels, kernel))?
+            .t()?
+            .contiguous()?;
+        let per_head = |name: &str| -> Result<Vec<f32>> {
+            Ok(loader.slice(name, &[nv], 0, &[heads.values()])?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        };
+        let neg_a = per_head("A_log")?.into_iter().map(|a| -a.exp()).collect();
+        let dt_bias = per_head("dt_bias")?;
+        let norm = RmsNorm::load(loader, "norm", dv, config.rms_norm_eps, NormWeight::Plain)?;
+        let out_proj =
+            RowParallelLinear::load_columns(loader, group, "out_proj", config.hidden_size, value_dim, &[value_rows], false)?;
+        let key_of_value = Tensor::new(heads.key_of_value.as_slice(), loader.device())?;
+        Ok(Self {
+            in_proj,
+            conv,
+            neg_a,
+            dt_bias,
+            norm,
+            out_proj,
+            heads,
+            key_of_value,
+            key_head_dim: dk,
+            value_head_dim: dv,
+            kernel,
+            drop_conv_state,
+        })
+    }
+
+    pub fn weights(&self) -> Vec<&Tensor> {
+        let mut all = self.in_proj.weights();
+        all.extend([&self.conv, self.norm.weight()]);
+        all.extend(self.out_proj.weights());
+        all
+    }
+
+    /// x [tokens, hidden] -> [tokens, hidden]; `caches` are this layer's caches, one per sequence.
+    pub fn forward(&self, x: &Tensor, batch: &[SequenceInput<'_>], caches: &mut [&mut LayerCache]) -> Result<Tensor> {
+        let tokens = x.dim(0)?;
+        let (heads, dv) = (self.heads.local_values, self.value_head_dim);
+        let parts = self.in_proj.forward_split(x)?;
+        let (mixed, z) = (&parts[0], &parts[1]);
+        let (beta, g) = self.gates(&parts[2], &parts[3])?;
+
+        let mut outputs = Vec::with_capacity(batch.len());
+        let mut offset = 0;
+        for (seq, cache) in batch.iter().zip(caches.iter_mut()) {
+            let n = seq.tokens.len();
+            let LayerCache::Recurrent(state) = &mut **cache else {
+                bail!("sequence {}: a linear-attention layer was given an attention cache", seq.seq_id);
+            };
+            let mixed = self.convolve(&mixed.narrow(0, offset, n)?, state)?;
+            let (q, k, v) = self.split_heads(&mixed)?;
+            let rows = offset * heads..(offset + n) * heads;
+            let (beta, g) = (&beta[rows.clone()], &g[rows]);
+            let memory = match state.memory.take() {
+                Some(memory) => memory,
+                None => Tensor::zeros((heads, self.key_head_dim, dv), DType::F32, x.device())?,
+            };
+            let (out, memory) = if n == 1 {
+                recurrent_step(&q, &k, &v, beta, g, &memory)?
+            } else {
+                chunked_delta_rule(&q, &k, &v, beta, g, memory)?
+            };
+            state.memory = Some(memory);
+            outputs.push(out.transpose(0, 1)?); // [n, heads, dv]
+            offset += n;
+        }
+        let core = Tensor::cat(&outputs, 0)?.to_dtype(x.dtype())?; // [tokens, heads, dv]
+        let z = z.reshape((tokens, heads, dv))?;
+        let gated = (self.norm.forward(&core)? * candle_nn::ops::silu(&z)?)?;
+        self.out_proj.forward(&gated.reshape((tokens, heads * dv))?)
+    }
+
+    /// beta = sigmoid(b) and the log-decay g = -exp(A_log) * softplus(a + dt_bias), in f32,
+    /// [tokens * local value heads] row-major.
+    fn gates(&self, b: &Tensor, a: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
+        let beta = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let beta = beta.into_iter().map(|b| 1.0 / (1.0 + (-b).exp())).collect();
+        let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let heads = self.neg_a.len();
+        let g = a
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| self.neg_a[i % heads] * softplus(a + self.dt_bias[i % heads]))
+            .collect();
+        Ok((beta, g))
+    }
+
+    /// The causal depthwise convolution of one sequence's new [q | k | v] channels x
+    /// [n, channels], continuing from the `kernel - 1` inputs before them; silu applied.
+    fn convolve(&self, x: &Tensor, state: &mut RecurrentState) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let history_len = self.kernel - 1;
+        let history = match &state.conv {
+            // The deliberate fault: a prefill chunk forgets the chunk before it.
+            Some(_) if self.drop_conv_state && n > 1 => None,
+            history => history.clone(),
+        };
+        let padded = match history {
+            Some(history) => Tensor::cat(&[&history, x], 0)?,
+            None if history_len > 0 => {
+                Tensor::cat(&[&Tensor::zeros((history_len, x.dim(1)?), x.dtype(), x.device())?, x], 0)?
+            }
+            None => x.clone(),
+        }; // [history_len + n, channels]
+        let mut out = padded.narrow(0, 0, n)?.broadcast_mul(&self.conv.get(0)?)?;
+        for tap in 1..self.kernel {
+            out = (out + padded.narrow(0, tap, n)?.broadcast_mul(&self.conv.get(tap)?)?)?;
+        }
+        if history_len > 0 {
+            state.conv = Some(padded.narrow(0, n, history_len)?.contiguous()?);
+        }
+        Ok(candle_nn::ops::silu(&out)?)
+    }
+
+    /// The convolved channels [n, channels] as f32 per value head: q (L2-normalised and scaled
+    /// by 1/sqrt(key_head_dim)) and k (L2-normalised) [heads, n, key_head_dim], v [heads, n,
+    /// value_head_dim]. Key heads are repeated for the value heads that read them.
+    fn split_heads(&self, mixed: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let n = mixed.dim(0)?;
+        let (dk, dv) = (self.key_head_dim, self.value_head_dim);
+        let (keys, values) = (self.heads.local_keys, self.heads.local_values);
+        let mixed = mixed.to_dtype(DType::F32)?;
+        let per_value_head = |t: Tensor| -> Result<Tensor> {
+            let t = l2_normalize(&t.reshape((n, keys, dk))?)?;
+            Ok(t.index_select(&self.key_of_value, 1)?.transpose(0, 1)?.contiguous()?)
+        };
+        let q = (per_value_head(mixed.narrow(1, 0, keys * dk)?)? * (1.0 / (dk as f64).sqrt()))?;
+        let k = per_value_head(mixed.narrow(1, keys * dk, keys * dk)?)?;
+        let v = mixed.narrow(1, 2 * keys * dk, values * dv)?.reshape((n, values, dv))?.transpose(0, 1)?.contiguous()?;
+        Ok((q, k, v))
+    }
+}
+
+/// torch's softplus (beta 1, threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// x / sqrt(sum(x^2) + eps) over the last dimension.
+fn l2_normalize(x: &Tensor) -> Result<Tensor> {
+    let norm = (x.sqr()?.sum_keepdim(D::Minus1)? + L2_EPS)?.sqrt()?;
+    Ok(x.broadcast_div(&norm)?)
+}
+
+/// One token of the gated delta rule. q, k [heads, 1, dk]; v [heads, 1, dv]; beta and g per
+/// head; memory [heads, dk, dv]. Returns the output [heads, 1, dv] and the new memory.
+fn recurrent_step(q: &Tensor, k: &Tensor, v: &Tensor, beta: &[f32], g: &[f32], memory: &Tensor) -> Result<(Tensor, Tensor)> {
+    let heads = beta.len();
+    let device = q.device();
+    let decay = Tensor::from_vec(g.iter().map(|g| g.exp()).collect::<Vec<_>>(), (heads, 1, 1), device)?;
+    let beta = Tensor::from_vec(beta.to_vec(), (heads, 1, 1), device)?;
+    let memory = memory.broadcast_mul(&decay)?;
+    // What the memory already predicts for k; only the correction towards v is written.
+    let predicted = k.matmul(&memory)?; // [heads, 1, dv]
+    let delta = (v - predicted)?.broadcast_mul(&beta)?;
+    let memory = (memory + k.transpose(1, 2)?.matmul(&delta)?)?;
+    let out = q.matmul(&memory)?;
+    Ok((out, memory))
+}
+
+/// The gated delta rule over n tokens in blocks of [`CHUNK`]: within a block the sequential
+/// updates collapse into a unit lower-triangular system (the UT transform of the DeltaNet
+/// paper), solved once; across blocks the memory carries over. Same inputs as
+/// [`recurrent_step`] with n tokens ([n * heads] for beta and g, token-major); returns the
+/// output [heads, n, dv] and the new memory.
+fn chunked_delta_rule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    beta: &[f32],
+    g: &[f32],
+    mut memory: Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (heads, n, dk) = q.dims3()?;
+    let dv = v.dim(2)?;
+    let device = q.device();
+    let mut outputs = Vec::with_capacity(n.div_ceil(CHUNK));
+    for start in (0..n).step_by(CHUNK) {
+        let len = CHUNK.min(n - start);
+        let gates = ChunkGates::new(&beta[start * heads..(start + len) * heads], &g[start * heads..(start + len) * heads], heads, device)?;
+        let (q, k, v) = (q.narrow(1, start, len)?, k.narrow(1, start, len)?, v.narrow(1, start, len)?);
+        let k_t = k.transpose(1, 2)?;
+        let k_beta = k.broadcast_mul(&gates.beta)?;
+        let v_beta = v.broadcast_mul(&gates.beta)?;
+        // system[i, j] (j < i): how much token j's update changes what token i's key reads.
+        let system = (k_beta.matmul(&k_t)? * &gates.decay)?;
+        let rhs = Tensor::cat(&[&v_beta, &k_beta.broadcast_mul(&gates.cum_decay)?], 2)?;
+        let solved = solve_unit_lower(&system, &rhs)?; // [heads, len, dv + dk]
+        let (new_values, decayed_keys) = (solved.narrow(2, 0, dv)?, solved.narrow(2, dv, dk)?);
+        let intra = (q.matmul(&k_t)? * &gates.decay)?; // causal, decayed q.k within the block
+        // The part of each update the memory from earlier blocks already predicts is removed.
+        let v_new = (new_values - decayed_keys.matmul(&memory)?)?;
+        let out = (q.broadcast_mul(&gates.cum_decay)?.matmul(&memory)? + intra.matmul(&v_new)?)?;
+        memory = (memory.broadcast_mul(&gates.block_decay)?
+            + k.broadcast_mul(&gates.decay_to_end)?.transpose(1, 2)?.matmul(&v_new)?)?;
+        outputs.push(out);
+    }
+    debug_assert_eq!(memory.dims(), &[heads, dk, dv]);
+    Ok((Tensor::cat(&outputs, 1)?, memory))
+}
+
+/// The per-token gates of one block, as tensors per head.
+struct ChunkGates {
+    beta: Tensor,         // [heads, len, 1]
+    /// exp(G_i - G_j) for j <= i, else 0, where G is the cumulative log-decay: [heads, len, len]
+    decay: Tensor,
+    cum_decay: Tensor,    // exp(G_i) [heads, len, 1]
+    decay_to_end: Tensor, // exp(G_last - G_i) [heads, len, 1]
+    block_decay: Tensor,  // exp(G_last) [heads, 1, 1]
+}
+
+impl ChunkGates {
+    /// `beta` and `g` are [len * heads], token-major.
+    fn new(beta: &[f32], g: &[f32], heads: usize, device: &Device) -> Result<Self> {
+        let len = g.len() / heads;
+        let mut cum = vec![0f32; heads * len]; // head-major
+        for h in 0..heads {
+            let mut total = 0f32;
+            for t in 0..len {
+                total += g[t * heads + h];
+                cum[h * len + t] = total;
+            }
+        }
+        let mut decay = vec![0f32; heads * len * len];
+        for h in 0..heads {
+            let cum = &cum[h * len..(h + 1) * len];
+            for i in 0..len {
+                for j in 0..=i {
+                    decay[(h * len + i) * len + j] = (cum[i] - cum[j]).exp();
+                }
+            }
+        }
+        let beta: Vec<f32> = (0..heads).flat_map(|h| (0..len).map(move |t| beta[t * heads + h])).collect();
+        let cum_decay = cum.iter().map(|c| c.exp()).collect();
+        let decay_to_end = (0..heads * len).map(|i| (cum[(i / len) * len + len - 1] - cum[i]).exp()).collect();
+        let block_decay = (0..heads).map(|h| cum[h * len + len - 1].exp()).collect();
+        Ok(Self {
+            beta: Tensor::from_vec(beta, (heads, len, 1), device)?,
+            decay: Tensor::from_vec(decay, (heads, len, len), device)?,
+            cum_decay: Tensor::from_vec(cum_decay, (heads, len, 1), device)?,
+            decay_to_end: Tensor::from_vec(decay_to_end, (heads, len, 1), device)?,
+            block_decay: Tensor::from_vec(block_decay, (heads, 1, 1), device)?,
+        })
+    }
+}
+
+/// Solves (I + L) X = B per head by forward substitution, where L is the strictly lower
+/// triangle of `system` [heads, len, len] (its diagonal and upper triangle are ignored, as in
+/// torch's solve_triangular(unitriangular=True)); B [heads, len, m].
+fn solve_unit_lower(system: &Tensor, rhs: &Tensor) -> Result<Tensor> {
+    let (heads, len, m) = rhs.dims3()?;
+    let a = system.flatten_all()?.to_vec1::<f32>()?;
+    let mut x = rhs.flatten_all()?.to_vec1::<f32>()?;
+    for h in 0..heads {
+        let a = &a[h * len * len..(h + 1) * len * len];
+        let x = &mut x[h * len * m..(h + 1) * len * m];
+        for i in 1..len {
+            let (solved, rest) = x.split_at_mut(i * m);
+            let row = &mut rest[..m];
+            for j in 0..i {
+                let coefficient = a[i * len + j];
+                for (target, source) in row.iter_mut().zip(&solved[j * m..(j + 1) * m]) {
+                    *target -= coefficient * source;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(x, (heads, len, m), rhs.device())?)
+}
