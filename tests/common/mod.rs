@@ -151,3 +151,87 @@ pub fn parse_json_stream(stdout: &str) -> (Vec<u32>, Value) {
 pub fn ids_arg(ids: &[u32]) -> String {
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
 }
+
+/// How a group of rank processes reaches its rendezvous.
+#[derive(Clone, Copy, Debug)]
+pub enum Transport {
+    Tcp,
+    Unix,
+}
+
+/// One `tpserve eval-shard` group: the model, its prompts, and how to run it.
+pub struct ShardRun<'a> {
+    pub model: &'a std::path::Path,
+    pub prompts: &'a [Vec<u32>],
+    pub tp: usize,
+    /// prefill chunk in tokens (0: the whole prompt in one step)
+    pub chunk: usize,
+    pub transport: Transport,
+    /// extra environment for every rank process
+    pub env: &'a [(&'a str, &'a str)],
+}
+
+impl<'a> ShardRun<'a> {
+    pub fn new(model: &'a std::path::Path, prompts: &'a [Vec<u32>], tp: usize) -> Self {
+        Self { model, prompts, tp, chunk: 0, transport: Transport::Unix, env: &[] }
+    }
+
+    /// Runs the group as `tp` separate OS processes joined by the CPU socket backend (greedy,
+    /// 16 new tokens, EOS suppressed) and returns rank 0's results, one per prompt.
+    pub fn run(&self) -> Vec<tpserve::rank::offline::PromptResult> {
+        use std::io::BufRead;
+
+        let tp = self.tp;
+        let label = format!("{} TP {tp}", self.model.display());
+        let dir = tempfile::tempdir().unwrap();
+        let prompts_file = dir.path().join("prompts.json");
+        std::fs::write(&prompts_file, serde_json::to_string(self.prompts).unwrap()).unwrap();
+        let out = dir.path().join("out.json");
+        let rendezvous = match self.transport {
+            Transport::Tcp => "127.0.0.1:0".to_owned(),
+            Transport::Unix => format!("unix://{}", dir.path().join("comm.sock").display()),
+        };
+        let base = |rank: usize| {
+            let mut command = tpserve();
+            command.args(["eval-shard", "--model"]).arg(self.model);
+            command.args(["--rank", &rank.to_string(), "--world-size", &tp.to_string()]);
+            command.arg("--prompts").arg(&prompts_file);
+            command.args(["--chunk", &self.chunk.to_string(), "--suppress", "2", "--threads", "1"]);
+            command.args(["--init-timeout-secs", "60"]);
+            command.envs(self.env.iter().copied());
+            command
+        };
+        let mut rank0 = base(0);
+        rank0.args(["--rendezvous", &rendezvous]).arg("--out").arg(&out).stdout(Stdio::piped());
+        let mut children = vec![rank0.spawn().expect("spawn rank 0")];
+        if tp > 1 {
+            let stdout = children[0].stdout.take().unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
+            let comm_id =
+                line.trim().strip_prefix("COMM_ID=").unwrap_or_else(|| panic!("{label}: rank 0 printed {line:?}")).to_owned();
+            for rank in 1..tp {
+                children.push(base(rank).args(["--comm-id", &comm_id]).spawn().expect("spawn rank"));
+            }
+        }
+        // A watchdog turns a hang into a failure rather than a stuck CI job.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for i in 0..children.len() {
+            loop {
+                if let Some(status) = children[i].try_wait().unwrap() {
+                    assert!(status.success(), "{label}: rank {i} exited with {status}");
+                    break;
+                }
+                if Instant::now() > deadline {
+                    for child in &mut children {
+                        let _ = child.kill();
+                    }
+                    panic!("{label}: ranks did not finish within 120 s");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        serde_json::from_value(report["prompts"].clone()).unwrap()
+    }
+}

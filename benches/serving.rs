@@ -1,0 +1,197 @@
+//! The served system under load: prints figures, asserts nothing.
+//!
+//!     cargo bench --bench serving
+//!
+//! Drives `tpserve serve --tp 1` (a real rank process, real gRPC over a Unix socket) on a
+//! generated ~100M-parameter Qwen3-shaped model with N concurrent streaming clients, and prints
+//! TTFT and inter-token latency (p50, p99), aggregate tokens/s at concurrency 1, 4, 16 and 64,
+//! the per-step orchestration overhead the coordinator measures (GenerateStep round trip minus
+//! the rank's compute time), and, as the baseline of the same run, the decode tokens/s of the
+//! same model driven by an in-process loop with no RPC.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tpserve::model::loader::LoadProgress;
+use tpserve::model::parallel::TpGroup;
+use tpserve::model::{LoadOptions, Model};
+use tpserve::net::{self, Address};
+use tpserve::proto::v1 as pb;
+use tpserve::proto::v1::generator_client::GeneratorClient;
+use tpserve::rank::offline;
+
+const PROMPT_TOKENS: usize = 32;
+const NEW_TOKENS: u32 = 64;
+const CONCURRENCY: [usize; 4] = [1, 4, 16, 64];
+
+struct Stream {
+    ttft: Duration,
+    inter_token: Vec<Duration>,
+    tokens: usize,
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("qwen3-100m");
+    let params = support::write_qwen3(&model, &support::QWEN3_100M);
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    println!("tpserve serving benchmark: Qwen3-shaped random model, {:.1}M parameters, f32, TP 1, {cores} cores", params as f64 / 1e6);
+    println!("{PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens per request, greedy, EOS ignored\n");
+
+    let baseline = in_process_decode(&model);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let address = format!("unix://{}", dir.path().join("api.sock").display());
+    let mut server = start_server(&model, &address);
+    runtime.block_on(async {
+        wait_ready(&address).await;
+        run_level(&address, 2, 0).await; // warm-up
+        println!("| concurrency | aggregate tokens/s | vs concurrency 1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |");
+        println!("|---|---|---|---|---|---|---|");
+        let mut single = 0.0;
+        let mut single_decode = 0.0;
+        let mut overhead = (0.0, 0.0);
+        for (level, &concurrency) in CONCURRENCY.iter().enumerate() {
+            let (streams, wall) = run_level(&address, concurrency, level as u64 + 1).await;
+            let tokens: usize = streams.iter().map(|s| s.tokens).sum();
+            let throughput = tokens as f64 / wall.as_secs_f64();
+            let mut ttft: Vec<f64> = streams.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
+            let mut itl: Vec<f64> = streams.iter().flat_map(|s| s.inter_token.iter().map(|d| d.as_secs_f64() * 1e3)).collect();
+            if concurrency == 1 {
+                single = throughput;
+                let decode: f64 = itl.iter().sum::<f64>() / 1e3;
+                single_decode = itl.len() as f64 / decode;
+                overhead = step_overhead(&address).await;
+            }
+            println!(
+                "| {concurrency} | {throughput:.1} | {:.2}x | {:.1} | {:.1} | {:.2} | {:.2} |",
+                throughput / single,
+                percentile(&mut ttft, 0.5),
+                percentile(&mut ttft, 0.99),
+                percentile(&mut itl, 0.5),
+                percentile(&mut itl, 0.99)
+            );
+        }
+        println!("\nper-step orchestration overhead at concurrency 1 (round trip minus rank compute): p50 {:.0} µs, p99 {:.0} µs", overhead.0, overhead.1);
+        println!("served batch-1 decode: {single_decode:.1} tokens/s; in-process loop (no RPC): {baseline:.1} tokens/s; ratio {:.3}", single_decode / baseline);
+    });
+    stop(&mut server);
+}
+
+fn start_server(model: &std::path::Path, address: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_tpserve"))
+        .args(["serve", "--tp", "1", "--max-batch-size", "64", "--listen", address, "--model"])
+        .arg(model)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn stop(server: &mut Child) {
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    let _ = server.wait();
+}
+
+async fn client(address: &str) -> GeneratorClient<tonic::transport::Channel> {
+    let address: Address = address.parse().unwrap();
+    GeneratorClient::new(net::connect(&address, Duration::from_secs(10)).await.unwrap())
+}
+
+async fn wait_ready(address: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok(address) = address.parse::<Address>() {
+            if let Ok(channel) = net::connect(&address, Duration::from_secs(1)).await {
+                if GeneratorClient::new(channel).model_info(pb::ModelInfoRequest::default()).await.is_ok() {
+                    return;
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "server did not start");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `concurrency` streams at once, each on its own connection; returns them and the wall time.
+async fn run_level(address: &str, concurrency: usize, salt: u64) -> (Vec<Stream>, Duration) {
+    let mut clients = Vec::new();
+    for _ in 0..concurrency {
+        clients.push(client(address).await);
+    }
+    let started = Instant::now();
+    let tasks: Vec<_> = clients
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut client)| {
+            let prompt: Vec<u32> =
+                (0..PROMPT_TOKENS).map(|t| ((t as u64 * 7919 + i as u64 * 104729 + salt * 15485863) % 32000) as u32).collect();
+            tokio::spawn(async move {
+                let request = pb::GenerateRequest {
+                    prompt_ids: prompt,
+                    params: Some(pb::GenerationParams {
+                        max_tokens: Some(NEW_TOKENS),
+                        temperature: Some(0.0),
+                        ignore_eos: true,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                };
+                let sent = Instant::now();
+                let mut stream = client.generate(request).await.unwrap().into_inner();
+                let mut last = sent;
+                let mut result = Stream { ttft: Duration::ZERO, inter_token: Vec::new(), tokens: 0 };
+                while let Some(message) = stream.message().await.unwrap() {
+                    if message.token_id.is_none() {
+                        continue;
+                    }
+                    let now = Instant::now();
+                    if result.tokens == 0 {
+                        result.ttft = now - sent;
+                    } else {
+                        result.inter_token.push(now - last);
+                    }
+                    last = now;
+                    result.tokens += 1;
+                }
+                result
+            })
+        })
+        .collect();
+    let mut streams = Vec::new();
+    for task in tasks {
+        streams.push(task.await.unwrap());
+    }
+    (streams, started.elapsed())
+}
+
+async fn step_overhead(address: &str) -> (f64, f64) {
+    let info = client(address).await.model_info(pb::ModelInfoRequest::default()).await.unwrap().into_inner();
+    (info.step_overhead_us_p50, info.step_overhead_us_p99)
+}
+
+/// Greedy decode tokens/s of the same model loaded in this process, no RPC, same threads.
+fn in_process_decode(model: &std::path::Path) -> f64 {
+    let options = LoadOptions { dtype: Some(candle_core::DType::F32), device: candle_core::Device::Cpu };
+    let model = Model::load(model, &TpGroup::single(), &options, Arc::new(LoadProgress::default())).unwrap();
+    let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|t| (t * 7919) % 32000).collect();
+    let mut best: f64 = 0.0;
+    for run in 0..3 {
+        let timed = offline::greedy_timed(&model, run + 1, &prompt, NEW_TOKENS as usize, 0, &[]).unwrap();
+        best = best.max(timed.decode_steps as f64 / timed.decode_time.as_secs_f64());
+    }
+    best
+}
+
+fn percentile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(f64::total_cmp);
+    values[((values.len() - 1) as f64 * q).round() as usize]
+}
