@@ -184,6 +184,7 @@ impl CoordinatorArgs {
             limits: self.scheduler.limits()?,
             rank_patience: Duration::from_secs(self.rank_wait_secs),
             init_timeout: Duration::from_secs(120),
+            recovery_timeout: Duration::from_secs(120),
         })
     }
 }

@@ -129,6 +129,7 @@ impl LocalCluster {
             limits: scheduler.limits()?,
             rank_patience: Duration::from_secs(120),
             init_timeout: Duration::from_secs(120),
+            recovery_timeout: Duration::from_secs(120),
         };
         let stop_coordinator = Arc::new(tokio::sync::Notify::new());
         let stop = stop_coordinator.clone();

@@ -56,7 +56,7 @@ impl Default for SchedulerConfig {
             max_batch_tokens: 2048,
             prefill_chunk: 512,
             max_waiting: 256,
-            step_timeout_base: Duration::from_secs(30),
+            step_timeout_base: Duration::from_secs(10),
             step_timeout_per_token: Duration::from_millis(50),
         }
     }
@@ -109,6 +109,8 @@ struct Sequence {
     deadline: Option<Instant>,
     /// KV tokens reserved for this sequence at admission
     reserved: usize,
+    /// times this sequence was re-prefilled after a rank failure
+    resumes: u32,
     /// prompt followed by generated tokens
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -186,7 +188,7 @@ impl Engine {
                 continue;
             }
             if let Err((epoch, failure)) = self.run_step().await {
-                self.fail_all(epoch, failure).await;
+                self.recover_and_resume(epoch, failure).await;
             }
         }
     }
@@ -219,6 +221,7 @@ impl Engine {
                 seq_id,
                 deadline: request.deadline,
                 reserved: need,
+                resumes: 0,
                 prompt_len: request.prompt_ids.len(),
                 decoder: IncrementalDecoder::new(self.model.tokenizer.clone(), &request.prompt_ids),
                 tokens: request.prompt_ids,
@@ -422,21 +425,46 @@ impl Engine {
         }
     }
 
-    /// A rank failed mid-step: every running request ends with UNAVAILABLE and the supervisor
-    /// restores the group.
-    async fn fail_all(&mut self, epoch: u64, failure: String) {
-        tracing::error!(%failure, "step failed; failing running requests and recovering the ranks");
-        let status = Status::unavailable(format!(
-            "a rank failed while generating ({failure}); the server is recovering, retry shortly"
-        ));
-        for seq in self.running.drain(..) {
-            let _ = seq.responses.send(Err(status.clone())).await;
+    /// A rank failed mid-step. The supervisor rebuilds the group (new epoch, shards reloaded)
+    /// and every running sequence resumes by re-prefilling its prompt plus the tokens already
+    /// streamed: the client sees a pause, not an error, and the output is what it would have
+    /// been (sampling draws depend only on the seed and the token index). Past the recovery
+    /// deadline, or after too many interruptions of one sequence, requests end with UNAVAILABLE.
+    async fn recover_and_resume(&mut self, epoch: u64, failure: String) {
+        tracing::error!(%failure, running = self.running.len(), "step failed; recovering the ranks");
+        if !self.supervisor.recover(epoch, &failure).await {
+            let status = Status::unavailable(format!(
+                "a rank failed ({failure}) and the ranks did not recover in time; retry later"
+            ));
+            for seq in self.running.drain(..) {
+                let _ = seq.responses.send(Err(status.clone())).await;
+            }
+            self.reserved = 0;
+            self.publish_occupancy();
+            return;
         }
-        self.reserved = 0;
+        let (resumable, exhausted): (Vec<Sequence>, Vec<Sequence>) =
+            std::mem::take(&mut self.running).into_iter().partition(|s| s.resumes < MAX_RESUMES);
+        for seq in &exhausted {
+            let status = Status::unavailable(format!(
+                "generation was interrupted by rank failures {MAX_RESUMES} times; giving up"
+            ));
+            let _ = seq.responses.send(Err(status)).await;
+        }
+        self.release(&exhausted);
+        self.running = resumable;
+        for seq in &mut self.running {
+            // The new epoch starts with empty caches.
+            seq.processed = 0;
+            seq.resumes += 1;
+        }
+        tracing::info!(sequences = self.running.len(), "resuming sequences after recovery");
         self.publish_occupancy();
-        self.supervisor.recover(epoch, &failure).await;
     }
 }
+
+/// How often one sequence may be resumed after rank failures before it is failed.
+const MAX_RESUMES: u32 = 3;
 
 /// Sends the last message: whatever text was held back, the finish reason and usage.
 async fn finish(seq: &mut Sequence, reason: pb::FinishReason) -> Finish {

@@ -47,6 +47,8 @@ pub struct CoordinatorOptions {
     /// how long to wait for ranks to appear at start
     pub rank_patience: Duration,
     pub init_timeout: Duration,
+    /// how long a recovery may take before in-flight requests are failed with UNAVAILABLE
+    pub recovery_timeout: Duration,
 }
 
 /// A model being served: what the coordinator needs to tokenize, validate and stop, plus the
@@ -106,6 +108,8 @@ pub struct Supervisor {
     serving: AtomicBool,
     health: HealthReporter,
     init_timeout: Duration,
+    /// how long one recovery may take before in-flight requests are failed
+    recovery_timeout: Duration,
     /// (model id, path, dtype) of every loaded model, to reload after recovery
     loaded: Mutex<Vec<(String, String, String)>>,
 }
@@ -140,15 +144,28 @@ impl Supervisor {
         self.ranks.clear_kv(request).await
     }
 
-    async fn bootstrap(&self) -> Result<()> {
-        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
-        self.ranks.info().await?;
-        self.ranks.bootstrap(epoch, self.init_timeout).await
+    /// Creates a communicator for a new epoch, above any epoch a rank has seen: after a
+    /// coordinator restart the ranks still hold the old one, and its state must be dropped.
+    async fn bootstrap(&self, init_timeout: Duration) -> Result<()> {
+        let infos = self.ranks.info().await?;
+        let highest = infos.iter().map(|i| i.epoch).max().unwrap_or(0).max(self.epoch());
+        let epoch = highest + 1;
+        self.epoch.store(epoch, Ordering::SeqCst);
+        self.ranks.bootstrap(epoch, init_timeout).await
     }
 
     async fn load(&self, model_id: &str, path: &str, dtype: &str) -> Result<rank_pb::ShardInfo> {
         let _guard = self.step_lock.lock().await;
-        let info = self.ranks.load(model_id, path, dtype, self.epoch()).await?;
+        let info = match self.ranks.load(model_id, path, dtype, self.epoch()).await {
+            Ok(info) => info,
+            Err(err) => {
+                // Ranks that did load it must not keep a model the coordinator does not serve.
+                if !self.loaded.lock().await.iter().any(|(id, _, _)| id == model_id) {
+                    let _ = self.ranks.unload(model_id).await;
+                }
+                return Err(err);
+            }
+        };
         let mut loaded = self.loaded.lock().await;
         loaded.retain(|(id, _, _)| id != model_id);
         loaded.push((model_id.to_owned(), path.to_owned(), dtype.to_owned()));
@@ -156,52 +173,65 @@ impl Supervisor {
     }
 
     /// Marks the server NOT_SERVING and rebuilds the group: waits for every rank to answer,
-    /// bootstraps a new communicator epoch and reloads every model. Retries with backoff.
+    /// bootstraps a new communicator epoch and reloads every model, retrying with backoff for
+    /// at most `recovery_timeout`. Returns whether the group is serving again.
     /// `failed_epoch` is the epoch the failure was seen in: if another caller already recovered
     /// past it, there is nothing left to do.
-    pub async fn recover(&self, failed_epoch: u64, reason: &str) {
+    pub async fn recover(&self, failed_epoch: u64, reason: &str) -> bool {
         let _guard = self.recovering.lock().await;
         if self.epoch() > failed_epoch && self.is_serving() {
-            return;
+            return true;
         }
         tracing::warn!(%reason, "rank group lost; recovering");
         self.set_serving(false).await;
+        let deadline = tokio::time::Instant::now() + self.recovery_timeout;
         let mut delay = Duration::from_millis(200);
         let mut attempt = 0u32;
         loop {
             attempt += 1;
-            match self.try_recover().await {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let attempt_result = match tokio::time::timeout(left, self.try_recover()).await {
+                Ok(result) => result,
+                Err(_) => Err(anyhow::anyhow!("recovery attempt ran past the recovery deadline")),
+            };
+            match attempt_result {
                 Ok(()) => {
                     tracing::info!(epoch = self.epoch(), attempt, "ranks recovered");
                     self.set_serving(true).await;
-                    return;
+                    return true;
                 }
                 Err(err) => {
-                    tracing::warn!(attempt, %reason, error = %format!("{err:#}"), "recovery attempt failed; retrying");
+                    tracing::warn!(attempt, %reason, error = %format!("{err:#}"), "recovery attempt failed");
+                    if tokio::time::Instant::now() + delay >= deadline {
+                        tracing::error!(attempts = attempt, "ranks did not recover within {:?}", self.recovery_timeout);
+                        return false;
+                    }
                     tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(5));
+                    delay = (delay * 2).min(Duration::from_secs(2));
                 }
             }
         }
     }
 
-    /// Checks every rank once a second while serving, so a dead rank turns health NOT_SERVING
-    /// even when no request is running. Info is answered outside the rank's step queue, so a
-    /// long step does not look like a dead rank.
+    /// Checks every rank once a second, so a dead or hung rank turns health NOT_SERVING even
+    /// when no request is running, and keeps recovering in the background after a recovery
+    /// gave up. Info is answered outside the rank's step queue, so a long step does not look
+    /// like a hung rank.
     pub async fn watch_ranks(self: Arc<Self>) {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
+            let epoch = self.epoch();
             if !self.is_serving() {
+                self.recover(epoch, "the previous recovery gave up").await;
                 continue;
             }
-            let epoch = self.epoch();
             let failure = match tokio::time::timeout(Duration::from_secs(3), self.ranks.info()).await {
                 Ok(Ok(infos)) => infos
                     .iter()
                     .position(|info| !info.initialized || info.epoch != epoch)
                     .map(|rank| format!("rank {rank} lost its communicator (restarted?)")),
                 Ok(Err(err)) => Some(format!("{err:#}")),
-                Err(_) => Some("a rank did not answer Info within 3 s".to_owned()),
+                Err(_) => Some("a rank did not answer Info within 3 s (hung?)".to_owned()),
             };
             if let Some(reason) = failure {
                 self.recover(epoch, &reason).await;
@@ -210,7 +240,8 @@ impl Supervisor {
     }
 
     async fn try_recover(&self) -> Result<()> {
-        self.bootstrap().await?;
+        // Short per attempt: a rank that is hung now may be back for the next attempt.
+        self.bootstrap(self.init_timeout.min(Duration::from_secs(15))).await?;
         let models = self.loaded.lock().await.clone();
         for (id, path, dtype) in models {
             let _guard = self.step_lock.lock().await;
@@ -338,9 +369,10 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
             serving: AtomicBool::new(false),
             health,
             init_timeout: options.init_timeout,
+            recovery_timeout: options.recovery_timeout,
             loaded: Mutex::new(Vec::new()),
         });
-        supervisor.bootstrap().await?;
+        supervisor.bootstrap(options.init_timeout).await?;
         let coordinator = Arc::new(Coordinator {
             supervisor: supervisor.clone(),
             models: RwLock::new(HashMap::new()),

@@ -355,6 +355,26 @@ mod tests {
     }
 
     #[test]
+    fn hub_layout_reads_the_nested_text_config() {
+        let text = r#"{"model_type":"qwen3_5_moe","tie_word_embeddings":true,"text_config":{
+            "model_type":"qwen3_5_moe_text","vocab_size":448,"hidden_size":64,"num_hidden_layers":4,
+            "num_attention_heads":8,"num_key_value_heads":4,"head_dim":16,"eos_token_id":2,
+            "rope_parameters":{"rope_theta":1e7,"rope_type":"default","partial_rotary_factor":0.25,
+                "mrope_section":[1,1,0],"mrope_interleaved":true},
+            "num_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":32}}"#;
+        let config = ModelConfig::from_json_str(text).unwrap();
+        assert_eq!(config.family, ModelFamily::Qwen3_5Moe);
+        assert_eq!((config.hidden_size, config.vocab_size, config.intermediate_size), (64, 448, 0));
+        assert_eq!(config.rope_theta, 1e7);
+        assert_eq!(config.eos_token_ids, vec![2]);
+        assert!(config.tie_word_embeddings);
+        assert_eq!(config.text_config["num_experts"], 4);
+
+        let err = format!("{:#}", ModelConfig::from_json_str(r#"{"model_type":"qwen3_5"}"#).unwrap_err());
+        assert!(err.contains("text_config"), "{err}");
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let text = QWEN3.replace(r#""hidden_size":64,"#, "");
         let err = format!("{:#}", ModelConfig::from_json_str(&text).unwrap_err());

@@ -102,8 +102,8 @@ impl ExpertSlice {
     /// `{prefix}.down_proj`.
     fn load(loader: &ShardLoader, prefix: &str, hidden: usize, intermediate: usize, field: &str, group: &TpGroup) -> Result<Self> {
         let rows = group.part(field, intermediate)?;
-        let gate = loader.slice(&format!("{prefix}.gate_proj.weight"), &[intermediate, hidden], 0, &[rows.clone()])?;
-        let up = loader.slice(&format!("{prefix}.up_proj.weight"), &[intermediate, hidden], 0, &[rows.clone()])?;
+        let gate = loader.slice(&format!("{prefix}.gate_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
+        let up = loader.slice(&format!("{prefix}.up_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
         let down = loader.slice(&format!("{prefix}.down_proj.weight"), &[hidden, intermediate], 1, &[rows])?;
         Ok(Self { gate_up: Tensor::cat(&[gate, up], 0)?, down })
     }

@@ -89,7 +89,7 @@ impl HybridConfig {
                     bail!("full_attention_interval must be positive");
                 }
                 (0..layers)
-                    .map(|i| if (i + 1) % interval == 0 { LayerType::FullAttention } else { LayerType::LinearAttention })
+                    .map(|i| if (i + 1).is_multiple_of(interval) { LayerType::FullAttention } else { LayerType::LinearAttention })
                     .collect()
             }
         };
@@ -112,7 +112,7 @@ impl HybridConfig {
                 bail!("{name} must be positive");
             }
         }
-        if linear.num_value_heads % linear.num_key_heads != 0 {
+        if !linear.num_value_heads.is_multiple_of(linear.num_key_heads) {
             bail!(
                 "linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
                 linear.num_value_heads,
@@ -144,7 +144,7 @@ fn rotary_dim(text: &Value, head_dim: usize) -> Result<usize> {
             .with_context(|| format!("partial_rotary_factor must be a number in (0, 1], got {v}"))?,
     };
     let dim = (head_dim as f64 * factor) as usize;
-    if dim == 0 || dim % 2 != 0 {
+    if dim == 0 || !dim.is_multiple_of(2) {
         bail!("partial_rotary_factor {factor} of head_dim {head_dim} gives {dim} rotary dims; it must be a positive even number");
     }
     Ok(dim)
@@ -618,4 +618,97 @@ fn solve_unit_lower(system: &Tensor, rhs: &Tensor) -> Result<Tensor> {
         }
     }
     Ok(Tensor::from_vec(x, (heads, len, m), rhs.device())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: Value) -> ModelConfig {
+        let mut fields = serde_json::json!({
+            "model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        });
+        for (key, value) in text.as_object().into_iter().flatten() {
+            fields[key] = value.clone();
+        }
+        ModelConfig::from_json_str(&fields.to_string()).unwrap()
+    }
+
+    #[test]
+    fn layer_types_default_to_every_fourth_layer_full_attention() {
+        use LayerType::{FullAttention as F, LinearAttention as L};
+        let hybrid = HybridConfig::parse(&config(serde_json::json!({}))).unwrap();
+        assert_eq!(hybrid.layer_types, [L, L, L, F, L, L, L, F]);
+        let hybrid = HybridConfig::parse(&config(serde_json::json!({"full_attention_interval": 2}))).unwrap();
+        assert_eq!(hybrid.layer_types, [L, F, L, F, L, F, L, F]);
+        // partial_rotary_factor defaults to 0.25
+        assert_eq!(hybrid.rotary_dim, 4);
+        let err = HybridConfig::parse(&config(serde_json::json!({"layer_types": ["full_attention"]}))).unwrap_err();
+        assert!(err.to_string().contains("layer_types has 1 entries"), "{err}");
+    }
+
+    #[test]
+    fn rotary_dim_follows_partial_rotary_factor() {
+        let text = serde_json::json!({"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                                                         "mrope_section": [2, 1, 1], "mrope_interleaved": true}});
+        assert_eq!(rotary_dim(&text, 32).unwrap(), 16);
+        assert_eq!(rotary_dim(&serde_json::json!({"partial_rotary_factor": 1.0}), 32).unwrap(), 32);
+        assert!(rotary_dim(&serde_json::json!({"partial_rotary_factor": 0.1}), 16).is_err());
+    }
+
+    #[test]
+    fn ranks_hold_the_key_heads_their_value_heads_read() {
+        let linear = |keys, values| LinearConfig {
+            conv_kernel: 4,
+            key_head_dim: 8,
+            value_head_dim: 8,
+            num_key_heads: keys,
+            num_value_heads: values,
+        };
+        let group = |rank, world_size| TpGroup { rank, world_size, comm: std::sync::Arc::new(crate::comm::SingleRank) };
+        // 4 key heads, 8 value heads, TP 2: rank 1 has value heads 4..8, reading key heads 2 and 3.
+        let heads = LinearHeads::new(&group(1, 2), &linear(4, 8)).unwrap();
+        assert_eq!((heads.values(), heads.keys()), (4..8, 2..4));
+        assert_eq!(heads.key_of_value, [0, 0, 1, 1]);
+        // 2 key heads, 8 value heads, TP 8: each key head is held by the 4 ranks reading it.
+        let heads = LinearHeads::new(&group(5, 8), &linear(2, 8)).unwrap();
+        assert_eq!((heads.values(), heads.keys()), (5..6, 1..2));
+        // 2 key heads, 6 value heads, TP 3: rank 1 has value heads 2..4, straddling key heads 0 and 1.
+        let heads = LinearHeads::new(&group(1, 3), &linear(2, 6)).unwrap();
+        assert_eq!((heads.values(), heads.keys()), (2..4, 0..2));
+        assert_eq!(heads.key_of_value, [0, 1]);
+        let err = LinearHeads::new(&group(0, 3), &linear(4, 8)).unwrap_err();
+        assert!(err.to_string().contains("linear_num_value_heads (8)"), "{err}");
+    }
+
+    /// The chunked form is the recurrent form reorganised: over several blocks and from a
+    /// non-zero memory, both give the same outputs and final memory.
+    #[test]
+    fn chunked_delta_rule_equals_token_by_token() -> Result<()> {
+        let device = Device::Cpu;
+        let (heads, n, dk, dv) = (3, 2 * CHUNK + 37, 8, 6);
+        let q = l2_normalize(&Tensor::randn(0f32, 1.0, (heads, n, dk), &device)?)?;
+        let k = l2_normalize(&Tensor::randn(0f32, 1.0, (heads, n, dk), &device)?)?;
+        let v = Tensor::randn(0f32, 1.0, (heads, n, dv), &device)?;
+        let beta: Vec<f32> = (0..n * heads).map(|i| 0.1 + 0.8 * ((i * 37 % 101) as f32 / 101.0)).collect();
+        let g: Vec<f32> = (0..n * heads).map(|i| -0.3 * ((i * 53 % 97) as f32 / 97.0)).collect();
+        let memory = Tensor::randn(0f32, 0.5, (heads, dk, dv), &device)?;
+
+        let (chunked, chunked_memory) = chunked_delta_rule(&q, &k, &v, &beta, &g, memory.clone())?;
+        let mut stepped = Vec::new();
+        let mut stepped_memory = memory;
+        for t in 0..n {
+            let at = |x: &Tensor| x.narrow(1, t, 1);
+            let rows = t * heads..(t + 1) * heads;
+            let (out, next) = recurrent_step(&at(&q)?, &at(&k)?, &at(&v)?, &beta[rows.clone()], &g[rows], &stepped_memory)?;
+            stepped.push(out);
+            stepped_memory = next;
+        }
+        let stepped = Tensor::cat(&stepped, 1)?;
+        let max_diff = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+        assert!(max_diff(&chunked, &stepped)? < 1e-4, "outputs differ by {}", max_diff(&chunked, &stepped)?);
+        assert!(max_diff(&chunked_memory, &stepped_memory)? < 1e-4);
+        Ok(())
+    }
 }

@@ -33,7 +33,7 @@ impl SparseLayers {
 
     /// transformers' rule: sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer.
     fn is_sparse(&self, layer: usize) -> bool {
-        !self.mlp_only_layers.contains(&layer) && (layer + 1) % self.decoder_sparse_step == 0
+        !self.mlp_only_layers.contains(&layer) && (layer + 1).is_multiple_of(self.decoder_sparse_step)
     }
 }
 

@@ -124,7 +124,8 @@ impl Rank for RankService {
         };
         // A newer epoch must not wait behind a step blocked on a dead communicator.
         let stale = {
-            let shared = self.shared();
+            let mut shared = self.shared();
+            shared.requested_epoch = shared.requested_epoch.max(request.epoch);
             if request.epoch > shared.epoch { shared.communicator.clone() } else { None }
         };
         if let Some(old) = stale {

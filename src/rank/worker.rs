@@ -39,6 +39,8 @@ pub struct SharedState {
     pub rank: u32,
     pub world_size: u32,
     pub epoch: u64,
+    /// the newest epoch an Init has asked for; queued Inits of older epochs are skipped
+    pub requested_epoch: u64,
     pub loaded_models: Vec<String>,
     /// the live communicator, so a newer Init can abort it even while the worker is blocked in it
     pub communicator: Option<Arc<dyn Collective>>,
@@ -142,7 +144,16 @@ impl Worker {
                 "rank {rank} is not valid for world size {world_size}"
             )));
         }
-        let current_epoch = self.shared().epoch;
+        let (current_epoch, requested_epoch) = {
+            let shared = self.shared();
+            (shared.epoch, shared.requested_epoch)
+        };
+        if request.epoch < requested_epoch {
+            return Err(Status::aborted(format!(
+                "Init for epoch {} was superseded by epoch {requested_epoch} while it waited",
+                request.epoch
+            )));
+        }
         if self.group.is_some() && request.epoch < current_epoch {
             return Err(Status::failed_precondition(format!(
                 "Init epoch {} is older than this rank's epoch {current_epoch}",
