@@ -179,3 +179,32 @@ async fn a_new_coordinator_takes_over_live_ranks() {
         common::terminate(child);
     }
 }
+
+/// SIGTERM: new requests are refused, the stream in flight finishes, then everything exits.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_in_flight_streams() {
+    let mut server = common::Served::start("qwen3_a", 2);
+    let undisturbed = collect(client(&server.address).await.generate(long_greedy()).await.unwrap().into_inner(), vec![]).await;
+    let mut late_client = client(&server.address).await;
+    let mut stream = client(&server.address).await.generate(long_greedy()).await.unwrap().into_inner();
+    let mut ids = Vec::new();
+    while ids.len() < 10 {
+        ids.extend(stream.message().await.unwrap().unwrap().token_id);
+    }
+    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let refused = late_client.generate(long_greedy()).await;
+    assert!(refused.is_err(), "a request after SIGTERM must be refused");
+    println!("after SIGTERM: {:?}", refused.err().map(|s| (s.code(), s.message().to_owned())));
+    let ids = collect(stream, ids).await;
+    assert_eq!(ids, undisturbed, "the in-flight stream must finish");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "tpserve serve did not exit after draining");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
+}

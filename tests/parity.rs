@@ -163,8 +163,8 @@ fn sharded_checkpoint_with_index_matches_reference() {
     let mut weight_map = serde_json::Map::new();
     for (part, chunk) in names.chunks(names.len().div_ceil(3)).enumerate() {
         let file = format!("model-{:05}-of-00003.safetensors", part + 1);
-        let shard: std::collections::HashMap<&String, &candle_core::Tensor> =
-            chunk.iter().map(|name| (*name, &tensors[*name])).collect();
+        let shard: std::collections::HashMap<&String, candle_core::Tensor> =
+            chunk.iter().map(|name| (*name, tensors[*name].clone())).collect();
         candle_core::safetensors::save(&shard, dir.path().join(&file)).unwrap();
         for name in chunk {
             weight_map.insert((*name).clone(), serde_json::Value::String(file.clone()));

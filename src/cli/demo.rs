@@ -42,6 +42,7 @@ pub async fn run() -> Result<ExitCode> {
         max_waiting: 16,
         max_concurrent_rpcs: 64,
         request_timeout_secs: 60,
+        shutdown_grace_secs: 5,
     };
     let ranks = RankSettings { log_filter: Some("error".to_owned()), ..RankSettings::default() };
     let cluster = LocalCluster::start(&model_dir, TP, "f32", ranks, &scheduler, listen.clone()).await?;

@@ -2,6 +2,10 @@
 //! rendezvous and prints the communicator id; the others join with it. Every rank runs the
 //! same prompts greedily and rank 0 writes the tokens and logits as JSON. The parity tests and
 //! the benchmark run the model and the collectives this way, as separate processes.
+//!
+//! With `--device cuda:N` (cuda feature) the ranks join an NCCL communicator, at world size 1
+//! too, and rank 0 prints the NCCL id as hex. `--bench-batches` times batched greedy decode
+//! (scripts/gpu-smoke.sh uses it).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -9,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use serde::Serialize;
 
@@ -17,7 +21,7 @@ use crate::comm::Collective;
 use crate::comm::socket::{self, CommId, SocketCollective, SocketOptions};
 use crate::model::loader::LoadProgress;
 use crate::model::parallel::TpGroup;
-use crate::model::{LoadOptions, Model};
+use crate::model::{CacheStore, LoadOptions, Model, SequenceInput};
 use crate::rank::offline::{self, PromptResult};
 
 #[derive(Args, Debug, Clone)]
@@ -56,6 +60,21 @@ pub struct EvalShardArgs {
     pub threads: Option<usize>,
     #[arg(long, default_value_t = 60)]
     pub init_timeout_secs: u64,
+    /// cpu, or cuda:N (cuda feature): the ranks then join an NCCL communicator
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Decode benchmark after the prompts: batch sizes to time, comma-separated
+    #[arg(long, value_delimiter = ',')]
+    pub bench_batches: Vec<usize>,
+    /// Timed single-token steps per benchmark batch
+    #[arg(long, default_value_t = 64)]
+    pub bench_steps: usize,
+    /// Untimed steps before them (kernel loading, allocator warm-up)
+    #[arg(long, default_value_t = 4)]
+    pub bench_warmup: usize,
+    /// Prompt length of every benchmark sequence
+    #[arg(long, default_value_t = 32)]
+    pub bench_prompt_len: usize,
 }
 
 #[derive(Serialize)]
@@ -65,6 +84,21 @@ struct Report {
     decode_tokens: usize,
     decode_seconds: f64,
     load_seconds: f64,
+    device: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    bench: Vec<BenchResult>,
+}
+
+/// Batched greedy decode: `batch` sequences of `prompt_len` tokens, then `steps` timed steps
+/// of one token each.
+#[derive(Serialize)]
+struct BenchResult {
+    batch: usize,
+    prompt_len: usize,
+    steps: usize,
+    seconds: f64,
+    tokens_per_second: f64,
+    ms_per_step: f64,
 }
 
 pub fn run(args: EvalShardArgs) -> Result<()> {
@@ -72,7 +106,15 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         &std::fs::read_to_string(&args.prompts).with_context(|| format!("cannot read {}", args.prompts.display()))?,
     )
     .context("--prompts must be a JSON list of token id lists")?;
-    let comm = join(args.rank, args.world_size, args.comm_id.as_deref(), args.rendezvous.as_deref(), args.init_timeout_secs)?;
+    let (device, device_name) = super::serve::parse_device(&args.device)?;
+    let comm = join_on(
+        &device,
+        args.rank,
+        args.world_size,
+        args.comm_id.as_deref(),
+        args.rendezvous.as_deref(),
+        args.init_timeout_secs,
+    )?;
     let group = TpGroup::new(comm.clone());
     let dtype = match args.dtype.as_str() {
         "f32" => Some(DType::F32),
@@ -82,7 +124,7 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         other => bail!("unknown dtype {other}"),
     };
     let started = Instant::now();
-    let options = LoadOptions { dtype, device: Device::Cpu };
+    let options = LoadOptions { dtype, device };
     let model = Model::load(&args.model, &group, &options, Arc::new(LoadProgress::default()))?;
     let load_seconds = started.elapsed().as_secs_f64();
     let mut results = Vec::new();
@@ -94,9 +136,22 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         decode_tokens += timed.decode_steps;
         results.extend(timed.result);
     }
+    let mut bench = Vec::with_capacity(args.bench_batches.len());
+    let mut next_seq = prompts.len() as u64 + 1;
+    for &batch in &args.bench_batches {
+        let result = bench_decode(&model, comm.as_ref(), next_seq, batch, &args)?;
+        if args.rank == 0 {
+            eprintln!(
+                "decode batch {batch}: {:.1} tokens/s ({:.2} ms/step over {} steps)",
+                result.tokens_per_second, result.ms_per_step, result.steps
+            );
+        }
+        next_seq += batch as u64;
+        bench.push(result);
+    }
     comm.barrier()?;
     if args.rank == 0 {
-        let report = Report { prompts: results, decode_tokens, decode_seconds, load_seconds };
+        let report = Report { prompts: results, decode_tokens, decode_seconds, load_seconds, device: device_name, bench };
         let text = serde_json::to_string(&report)?;
         match &args.out {
             Some(path) => std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?,
@@ -106,8 +161,63 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
     Ok(())
 }
 
-/// Joins a communicator as `rank`: rank 0 opens the rendezvous and prints `COMM_ID=<id>` on
-/// stdout for whoever starts the other ranks; they join with that id.
+/// Times batched greedy decode (one process per rank, every rank runs it).
+fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usize, args: &EvalShardArgs) -> Result<BenchResult> {
+    if batch == 0 {
+        bail!("--bench-batches sizes must be positive");
+    }
+    let vocab = model.config().vocab_size;
+    // Any fixed ids do: the speed does not depend on them.
+    let prompt: Vec<u32> = (0..args.bench_prompt_len.max(1)).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+    let seq_ids: Vec<u64> = (0..batch as u64).map(|b| first_seq + b).collect();
+    let mut store = CacheStore::default();
+    let prefill: Vec<SequenceInput<'_>> =
+        seq_ids.iter().map(|&seq_id| SequenceInput { seq_id, tokens: &prompt, start_pos: 0, sample: true }).collect();
+    let mut tokens = next_tokens(comm, model.step(&prefill, &mut store)?, batch)?;
+    let mut position = prompt.len();
+    let (mut seconds, mut steps) = (0.0, 0);
+    for step in 0..args.bench_warmup + args.bench_steps {
+        let started = Instant::now();
+        let feed: Vec<[u32; 1]> = tokens.iter().map(|&t| [t]).collect();
+        let inputs: Vec<SequenceInput<'_>> = seq_ids
+            .iter()
+            .zip(&feed)
+            .map(|(&seq_id, token)| SequenceInput { seq_id, tokens: token, start_pos: position, sample: true })
+            .collect();
+        // next_tokens reads the result on the host, so the time covers the device's work.
+        tokens = next_tokens(comm, model.step(&inputs, &mut store)?, batch)?;
+        position += 1;
+        if step >= args.bench_warmup {
+            seconds += started.elapsed().as_secs_f64();
+            steps += 1;
+        }
+    }
+    let per_step = if steps == 0 { 0.0 } else { seconds / steps as f64 };
+    Ok(BenchResult {
+        batch,
+        prompt_len: prompt.len(),
+        steps,
+        seconds,
+        tokens_per_second: if seconds > 0.0 { (batch * steps) as f64 / seconds } else { 0.0 },
+        ms_per_step: per_step * 1e3,
+    })
+}
+
+/// The greedy token of every row of a step's logits, taken on the sampling rank's device and
+/// shared with the other ranks, as the coordinator would tell them.
+fn next_tokens(comm: &dyn Collective, logits: Option<Tensor>, batch: usize) -> Result<Vec<u32>> {
+    let local = match logits {
+        Some(logits) => logits.argmax(1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?,
+        None => vec![0; batch],
+    };
+    if comm.world_size() == 1 {
+        return Ok(local);
+    }
+    let shared = comm.broadcast(&Tensor::from_vec(local, batch, &Device::Cpu)?, 0)?;
+    Ok(shared.to_vec1::<u32>()?)
+}
+
+/// Joins a CPU communicator as `rank`; see [`join_on`].
 pub(crate) fn join(
     rank: usize,
     world_size: usize,
@@ -115,6 +225,38 @@ pub(crate) fn join(
     rendezvous: Option<&str>,
     init_timeout_secs: u64,
 ) -> Result<Arc<dyn Collective>> {
+    join_on(&Device::Cpu, rank, world_size, comm_id, rendezvous, init_timeout_secs)
+}
+
+/// Joins a communicator as `rank`: rank 0 prints `COMM_ID=<id>` on stdout for whoever starts
+/// the other ranks; they join with that id. On the CPU rank 0 opens the rendezvous first (and a
+/// group of one needs no communicator); on a CUDA device every group, one rank too, is an NCCL
+/// communicator and the id is NCCL's, in hex.
+pub(crate) fn join_on(
+    device: &Device,
+    rank: usize,
+    world_size: usize,
+    comm_id: Option<&str>,
+    rendezvous: Option<&str>,
+    init_timeout_secs: u64,
+) -> Result<Arc<dyn Collective>> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        use crate::comm::nccl::{NcclCollective, NcclId, NcclOptions};
+        let id = if rank == 0 {
+            let id = NcclId::new()?;
+            let mut stdout = std::io::stdout();
+            writeln!(stdout, "COMM_ID={}", id.to_hex())?;
+            stdout.flush()?;
+            id
+        } else {
+            NcclId::from_hex(comm_id.context("ranks other than 0 need --comm-id")?)?
+        };
+        let options = NcclOptions { init_timeout: Duration::from_secs(init_timeout_secs), ..NcclOptions::default() };
+        return Ok(Arc::new(NcclCollective::init(&id, rank, world_size, device, options)?));
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
     if world_size == 1 {
         return Ok(Arc::new(crate::comm::SingleRank));
     }

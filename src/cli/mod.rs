@@ -121,6 +121,9 @@ pub struct SchedulerArgs {
     /// Seconds to produce a response (a unary call, or the start of a stream)
     #[arg(long, default_value_t = 600)]
     pub request_timeout_secs: u64,
+    /// On SIGTERM, seconds in-flight requests may take to finish before the server stops
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_secs: u64,
 }
 
 impl SchedulerArgs {
@@ -185,6 +188,7 @@ impl CoordinatorArgs {
             rank_patience: Duration::from_secs(self.rank_wait_secs),
             init_timeout: Duration::from_secs(120),
             recovery_timeout: Duration::from_secs(120),
+            shutdown_grace: Duration::from_secs(self.scheduler.shutdown_grace_secs),
         })
     }
 }

@@ -39,14 +39,36 @@ pub async fn run_rank(args: RankArgs) -> Result<()> {
     .await
 }
 
-fn parse_device(text: &str) -> Result<(Device, String)> {
+/// `cpu`, or `cuda:N` (`cuda` is `cuda:0`) with the cuda feature: the device and its name.
+pub(crate) fn parse_device(text: &str) -> Result<(Device, String)> {
     match text {
         "cpu" => Ok((Device::Cpu, "cpu".to_owned())),
         other if other.starts_with("cuda") => {
-            bail!("device \"{other}\" needs a build with the cuda feature (cargo build --features cuda)")
+            let ordinal = match other.strip_prefix("cuda") {
+                Some("") => 0,
+                Some(rest) => match rest.strip_prefix(':').map(str::parse::<usize>) {
+                    Some(Ok(ordinal)) => ordinal,
+                    _ => bail!("unknown device \"{other}\" (expected cpu or cuda:N)"),
+                },
+                None => bail!("unknown device \"{other}\" (expected cpu or cuda:N)"),
+            };
+            open_cuda(ordinal)
         }
         other => bail!("unknown device \"{other}\" (expected cpu or cuda:N)"),
     }
+}
+
+/// Opened at startup so that a bad ordinal or a missing driver fails at once; from then on only
+/// the rank's device worker uses the device.
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: usize) -> Result<(Device, String)> {
+    let device = crate::comm::nccl::open_device(ordinal).with_context(|| format!("cannot open CUDA device {ordinal}"))?;
+    Ok((device, format!("cuda:{ordinal}")))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(ordinal: usize) -> Result<(Device, String)> {
+    bail!("device \"cuda:{ordinal}\" needs a build with the cuda feature (cargo build --features cuda)")
 }
 
 fn local_hostname() -> Option<String> {
@@ -79,7 +101,11 @@ pub struct LocalCluster {
     coordinator: JoinHandle<Result<()>>,
     stop_coordinator: Arc<tokio::sync::Notify>,
     supervisors: Vec<JoinHandle<()>>,
+    /// set when shutdown begins: ranks that exit are no longer restarted
+    draining: Arc<AtomicBool>,
+    /// set once the coordinator is done: ranks still running are terminated
     stopping: Arc<AtomicBool>,
+    shutdown_grace: Duration,
     _socket_dir: tempfile::TempDir,
 }
 
@@ -98,6 +124,7 @@ impl LocalCluster {
         let socket_dir = tempfile::Builder::new().prefix("tpserve-").tempdir().context("cannot create a socket directory")?;
         let threads = settings.threads.unwrap_or_else(|| (available_cores() / tp).max(1));
         let exe = std::env::current_exe().context("cannot find the tpserve executable")?;
+        let draining = Arc::new(AtomicBool::new(false));
         let stopping = Arc::new(AtomicBool::new(false));
         let mut ranks = Vec::with_capacity(tp);
         let mut supervisors = Vec::with_capacity(tp);
@@ -116,7 +143,8 @@ impl LocalCluster {
                 args.extend(["--kv-cache-gib".to_owned(), gib.to_string()]);
             }
             let log_filter = settings.log_filter.clone();
-            supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, log_filter, rank, stopping.clone())));
+            let flags = (draining.clone(), stopping.clone());
+            supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, log_filter, rank, flags)));
             ranks.push(address);
         }
         let options = CoordinatorOptions {
@@ -130,23 +158,37 @@ impl LocalCluster {
             rank_patience: Duration::from_secs(120),
             init_timeout: Duration::from_secs(120),
             recovery_timeout: Duration::from_secs(120),
+            shutdown_grace: Duration::from_secs(scheduler.shutdown_grace_secs),
         };
         let stop_coordinator = Arc::new(tokio::sync::Notify::new());
         let stop = stop_coordinator.clone();
         let coordinator = tokio::spawn(async move {
             coordinator::run_until(options, async move { stop.notified().await }).await
         });
-        Ok(Self { listen, coordinator, stop_coordinator, supervisors, stopping, _socket_dir: socket_dir })
+        let shutdown_grace = Duration::from_secs(scheduler.shutdown_grace_secs);
+        Ok(Self {
+            listen,
+            coordinator,
+            stop_coordinator,
+            supervisors,
+            draining,
+            stopping,
+            shutdown_grace,
+            _socket_dir: socket_dir,
+        })
     }
 
-    /// Stops the coordinator (which shuts the ranks down), then makes sure every rank exited.
+    /// Stops the coordinator (which drains in-flight requests, then shuts the ranks down), then
+    /// makes sure every rank exited.
     pub async fn shutdown(self) -> Result<()> {
-        self.stopping.store(true, Ordering::SeqCst);
+        self.draining.store(true, Ordering::SeqCst);
         self.stop_coordinator.notify_one();
-        let result = match tokio::time::timeout(Duration::from_secs(30), self.coordinator).await {
+        let patience = self.shutdown_grace + Duration::from_secs(15);
+        let result = match tokio::time::timeout(patience, self.coordinator).await {
             Ok(joined) => joined.context("coordinator task panicked")?,
-            Err(_) => Err(anyhow::anyhow!("the coordinator did not stop within 30 s")),
+            Err(_) => Err(anyhow::anyhow!("the coordinator did not stop within {patience:?}")),
         };
+        self.stopping.store(true, Ordering::SeqCst);
         for supervisor in self.supervisors {
             let _ = supervisor.await;
         }
@@ -164,7 +206,13 @@ fn absolute(path: &Path) -> Result<PathBuf> {
 }
 
 /// Runs one rank process, restarting it if it dies before shutdown.
-async fn supervise_rank(exe: PathBuf, args: Vec<String>, log_filter: Option<String>, rank: usize, stopping: Arc<AtomicBool>) {
+async fn supervise_rank(
+    exe: PathBuf,
+    args: Vec<String>,
+    log_filter: Option<String>,
+    rank: usize,
+    (draining, stopping): (Arc<AtomicBool>, Arc<AtomicBool>),
+) {
     let mut restarts = 0u32;
     loop {
         let mut child = match spawn_rank(&exe, &args, log_filter.as_deref()) {
@@ -175,7 +223,7 @@ async fn supervise_rank(exe: PathBuf, args: Vec<String>, log_filter: Option<Stri
             }
         };
         let status = wait_or_stop(&mut child, &stopping).await;
-        if stopping.load(Ordering::SeqCst) {
+        if draining.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
             return;
         }
         restarts += 1;
@@ -217,11 +265,13 @@ fn spawn_rank(exe: &Path, args: &[String], log_filter: Option<&str>) -> Result<C
     if let Some(filter) = log_filter {
         command.env("RUST_LOG", filter);
     }
-    // SAFETY: prctl is async-signal-safe; it asks the kernel to SIGTERM the child when this
-    // process dies, however it dies.
+    // SAFETY: prctl and setpgid are async-signal-safe. PDEATHSIG asks the kernel to SIGTERM
+    // the child when this process dies, however it dies. Its own process group keeps a
+    // terminal's Ctrl-C from reaching the ranks directly: this process drains the in-flight
+    // requests first, then shuts them down.
     unsafe {
         command.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 || libc::setpgid(0, 0) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())

@@ -2,9 +2,11 @@
 //!
 //! The model code talks only to the [`Collective`] trait. Two backends implement it:
 //! [`socket::SocketCollective`] (CPU ranks, TCP or Unix sockets) and, behind the `cuda`
-//! feature, an NCCL communicator. Bootstrap mirrors NCCL: rank 0 creates an opaque
+//! feature, `nccl::NcclCollective` (CUDA ranks). Bootstrap mirrors NCCL: rank 0 creates an opaque
 //! [`socket::CommId`], the coordinator hands it to every rank, and every rank calls `init`.
 
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod socket;
 
 use std::time::Duration;

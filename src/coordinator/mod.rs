@@ -49,6 +49,8 @@ pub struct CoordinatorOptions {
     pub init_timeout: Duration,
     /// how long a recovery may take before in-flight requests are failed with UNAVAILABLE
     pub recovery_timeout: Duration,
+    /// on SIGTERM, how long in-flight requests may run before the server stops anyway
+    pub shutdown_grace: Duration,
 }
 
 /// A model being served: what the coordinator needs to tokenize, validate and stop, plus the
@@ -105,13 +107,16 @@ pub struct Supervisor {
     /// one step before the next.
     step_lock: Mutex<()>,
     recovering: Mutex<()>,
-    serving: AtomicBool,
+    /// the rank group is initialised and has every model loaded
+    group_ok: AtomicBool,
     health: HealthReporter,
     init_timeout: Duration,
     /// how long one recovery may take before in-flight requests are failed
     recovery_timeout: Duration,
     /// (model id, path, dtype) of every loaded model, to reload after recovery
     loaded: Mutex<Vec<(String, String, String)>>,
+    /// set on SIGTERM: no new requests, health NOT_SERVING
+    draining: AtomicBool,
 }
 
 impl Supervisor {
@@ -119,16 +124,28 @@ impl Supervisor {
         self.epoch.load(Ordering::SeqCst)
     }
 
+    /// Whether the rank group is up (it may still be draining).
     pub fn is_serving(&self) -> bool {
-        self.serving.load(Ordering::SeqCst)
+        self.group_ok.load(Ordering::SeqCst)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
     }
 
     pub fn tp_size(&self) -> usize {
         self.ranks.world_size()
     }
 
-    async fn set_serving(&self, serving: bool) {
-        self.serving.store(serving, Ordering::SeqCst);
+    /// Records whether the group is up and publishes health: SERVING only when it is and the
+    /// server is not draining.
+    async fn set_group_ok(&self, ok: bool) {
+        self.group_ok.store(ok, Ordering::SeqCst);
+        self.publish_health().await;
+    }
+
+    async fn publish_health(&self) {
+        let serving = self.group_ok.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst);
         let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
         for service in HEALTH_SERVICES {
             self.health.set_service_status(service, status).await;
@@ -183,7 +200,7 @@ impl Supervisor {
             return true;
         }
         tracing::warn!(%reason, "rank group lost; recovering");
-        self.set_serving(false).await;
+        self.set_group_ok(false).await;
         let deadline = tokio::time::Instant::now() + self.recovery_timeout;
         let mut delay = Duration::from_millis(200);
         let mut attempt = 0u32;
@@ -197,7 +214,7 @@ impl Supervisor {
             match attempt_result {
                 Ok(()) => {
                     tracing::info!(epoch = self.epoch(), attempt, "ranks recovered");
-                    self.set_serving(true).await;
+                    self.set_group_ok(true).await;
                     return true;
                 }
                 Err(err) => {
@@ -297,6 +314,33 @@ impl Coordinator {
         Ok(handle)
     }
 
+    /// Graceful shutdown: refuse new requests (health NOT_SERVING, UNAVAILABLE), then let the
+    /// running and queued ones finish for at most `grace`.
+    pub async fn drain(&self, grace: Duration) {
+        self.supervisor.draining.store(true, Ordering::SeqCst);
+        self.supervisor.publish_health().await;
+        let deadline = tokio::time::Instant::now() + grace;
+        loop {
+            let busy: u64 = self
+                .models
+                .read()
+                .await
+                .values()
+                .map(|m| m.stats.active_sequences.load(Ordering::Relaxed) + m.stats.waiting.load(Ordering::Relaxed))
+                .sum();
+            if busy == 0 {
+                tracing::info!("drained: no request in flight");
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(in_flight = busy, ?grace, "grace period over; stopping with requests in flight");
+                return;
+            }
+            tracing::info!(in_flight = busy, "draining before shutdown");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     pub async fn unload_model(&self, id: &str) -> Result<bool> {
         let removed = self.models.write().await.remove(id);
         if removed.is_none() {
@@ -351,12 +395,15 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     tracing::info!(listen = %listener.local_address()?, ranks = options.ranks.len(), "coordinator listening");
 
     let (coordinator_sender, coordinator_receiver) = tokio::sync::watch::channel::<Option<Arc<Coordinator>>>(None);
-    let server = tokio::spawn(service::serve(
+    let (stop_server, server_stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(service::serve(
         health_service,
         coordinator_receiver,
         options.limits.clone(),
         listener.into_incoming(),
-        stop.clone(),
+        async move {
+            let _ = server_stopped.await;
+        },
     ));
 
     let startup = async {
@@ -366,11 +413,12 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
             epoch: AtomicU64::new(0),
             step_lock: Mutex::new(()),
             recovering: Mutex::new(()),
-            serving: AtomicBool::new(false),
+            group_ok: AtomicBool::new(false),
             health,
             init_timeout: options.init_timeout,
             recovery_timeout: options.recovery_timeout,
             loaded: Mutex::new(Vec::new()),
+            draining: AtomicBool::new(false),
         });
         supervisor.bootstrap(options.init_timeout).await?;
         let coordinator = Arc::new(Coordinator {
@@ -381,7 +429,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
         });
         let model_id = options.model_id.clone().unwrap_or_else(|| default_model_id(&options.model));
         coordinator.load_model(&model_id, &options.model, &options.dtype).await?;
-        supervisor.set_serving(true).await;
+        supervisor.set_group_ok(true).await;
         tokio::spawn(supervisor.clone().watch_ranks());
         anyhow::Ok(coordinator)
     };
@@ -395,7 +443,23 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     };
     let _ = coordinator_sender.send(Some(coordinator.clone()));
     tracing::info!("coordinator serving");
-    server.await.context("server task panicked")?.context("serving the public API")?;
+    tokio::select! {
+        result = &mut server => {
+            // The server ended by itself: an error, not a shutdown.
+            result.context("server task panicked")?.context("serving the public API")?;
+        }
+        _ = stop.clone() => {
+            coordinator.drain(options.shutdown_grace).await;
+            let _ = stop_server.send(());
+            match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
+                Ok(result) => result.context("server task panicked")?.context("serving the public API")?,
+                Err(_) => {
+                    tracing::warn!("connections did not close within 5 s; closing them");
+                    server.abort();
+                }
+            }
+        }
+    }
     tracing::info!("shutting down the ranks");
     coordinator.supervisor.ranks.shutdown().await;
     Ok(())

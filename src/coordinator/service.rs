@@ -75,6 +75,9 @@ fn ready(cell: &CoordinatorCell) -> Result<Arc<Coordinator>, Status> {
         .borrow()
         .clone()
         .ok_or_else(|| Status::unavailable("the server is starting: ranks are initialising or the model is loading"))?;
+    if coordinator.supervisor.is_draining() {
+        return Err(Status::unavailable("the server is shutting down; send the request to another replica"));
+    }
     if !coordinator.supervisor.is_serving() {
         return Err(Status::unavailable("the server is recovering from a rank failure; retry shortly"));
     }

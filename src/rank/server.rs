@@ -70,12 +70,15 @@ impl Rank for RankService {
                  run the same tpserve version on the coordinator and every rank"
             )));
         }
-        let (memory_total, memory_available) = worker::memory_info();
+        // A GPU rank reports its device's memory, which only the device worker can read.
+        let nccl = self.options.device.is_cuda();
+        let (memory_total, memory_available) =
+            if nccl { self.shared().device_memory.unwrap_or_default() } else { worker::memory_info() };
         let shared = self.shared();
         Ok(Response::new(pb::InfoResponse {
             protocol_version: RANK_PROTOCOL_VERSION,
             server_version: env!("CARGO_PKG_VERSION").to_owned(),
-            backend: "socket".to_owned(),
+            backend: if nccl { "nccl" } else { "socket" }.to_owned(),
             device: self.options.device_name.clone(),
             memory_total_bytes: memory_total,
             memory_available_bytes: memory_available,
@@ -92,6 +95,16 @@ impl Rank for RankService {
         &self,
         request: Request<pb::CreateCommIdRequest>,
     ) -> Result<Response<pb::CreateCommIdResponse>, Status> {
+        // NCCL's id is made here, not on the device worker: the worker may be stuck in a step
+        // that the Init following this call is about to abort.
+        #[cfg(feature = "cuda")]
+        if self.options.device.is_cuda() {
+            let id = tokio::task::spawn_blocking(crate::comm::nccl::NcclId::new)
+                .await
+                .map_err(|err| Status::internal(format!("NCCL id task failed: {err}")))?
+                .map_err(|err| Status::unavailable(format!("cannot create an NCCL id: {err}")))?;
+            return Ok(Response::new(pb::CreateCommIdResponse { comm_id: id.to_bytes() }));
+        }
         let epoch = request.get_ref().epoch;
         let bind = self.options.rendezvous_bind.clone();
         let advertise = self.options.advertise_host.clone();
@@ -108,7 +121,8 @@ impl Rank for RankService {
 
     async fn init(&self, request: Request<pb::InitRequest>) -> Result<Response<pb::InitResponse>, Status> {
         let request = request.into_inner();
-        let rendezvous = if request.rank == 0 {
+        // Only the socket backend's rank 0 holds a rendezvous; NCCL bootstraps from its id alone.
+        let rendezvous = if request.rank == 0 && !self.options.device.is_cuda() {
             let taken = self.rendezvous.lock().unwrap_or_else(|p| p.into_inner()).take();
             match taken {
                 Some((epoch, rendezvous)) if epoch == request.epoch => Some(rendezvous),

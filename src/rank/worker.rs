@@ -44,6 +44,8 @@ pub struct SharedState {
     pub loaded_models: Vec<String>,
     /// the live communicator, so a newer Init can abort it even while the worker is blocked in it
     pub communicator: Option<Arc<dyn Collective>>,
+    /// (total, free) bytes of a CUDA device's memory, read by the worker (None on the CPU)
+    pub device_memory: Option<(u64, u64)>,
 }
 
 pub struct WorkerConfig {
@@ -60,8 +62,10 @@ pub fn spawn(config: WorkerConfig, shared: Arc<Mutex<SharedState>>) -> std::io::
     let (sender, receiver) = std::sync::mpsc::channel::<Command>();
     std::thread::Builder::new().name("device-worker".into()).spawn(move || {
         let mut worker = Worker { config, shared, group: None, models: HashMap::new() };
+        worker.publish_device_memory();
         while let Ok(command) = receiver.recv() {
             worker.handle(command);
+            worker.publish_device_memory();
         }
     })?;
     Ok(sender)
@@ -95,10 +99,29 @@ struct SequenceTokens {
 
 impl Worker {
     /// KV capacity in tokens from the configured budget, or, without one, half of the memory
-    /// available now divided by the group size (on one host the ranks share that memory).
+    /// available now divided by the group size (on one host the ranks share that memory); on a
+    /// GPU, half of its free memory (no other rank uses it).
     fn kv_capacity_tokens(&self, bytes_per_token: u64, world_size: usize) -> u64 {
-        let budget = self.config.kv_cache_bytes.unwrap_or_else(|| available_memory_bytes() / 2 / world_size.max(1) as u64);
+        let budget = self.config.kv_cache_bytes.unwrap_or_else(|| match self.device_memory() {
+            Some((_, free)) => free / 2,
+            None => available_memory_bytes() / 2 / world_size.max(1) as u64,
+        });
         budget / bytes_per_token.max(1)
+    }
+
+    /// (total, free) memory of a CUDA device; None on the CPU. Only this thread may ask: the
+    /// query needs the device's context.
+    fn device_memory(&self) -> Option<(u64, u64)> {
+        #[cfg(feature = "cuda")]
+        return crate::comm::nccl::device_memory(&self.config.device);
+        #[cfg(not(feature = "cuda"))]
+        None
+    }
+
+    fn publish_device_memory(&self) {
+        if let Some(memory) = self.device_memory() {
+            self.shared().device_memory = Some(memory);
+        }
     }
 
     fn handle(&mut self, command: Command) {
@@ -171,18 +194,13 @@ impl Worker {
             shared.communicator = None;
             shared.loaded_models.clear();
         }
-        let comm_id = CommId::from_bytes(&request.comm_id)
-            .map_err(|err| Status::invalid_argument(format!("bad comm_id: {err}")))?;
         let init_timeout = if request.timeout_ms == 0 {
             self.config.default_init_timeout
         } else {
             Duration::from_millis(request.timeout_ms as u64)
         };
-        let options = SocketOptions { init_timeout, op_timeout: self.config.collective_timeout };
         let started = Instant::now();
-        let comm = SocketCollective::init(&comm_id, rank, world_size, rendezvous, options)
-            .map_err(|err| Status::unavailable(format!("communicator init failed: {err}")))?;
-        let comm: Arc<dyn Collective> = Arc::new(comm);
+        let comm = self.join(&request, rendezvous, init_timeout)?;
         tracing::info!(rank, world_size, epoch = request.epoch, elapsed = ?started.elapsed(), "joined communicator");
         self.group = Some(TpGroup::new(comm.clone()));
         let mut shared = self.shared();
@@ -192,6 +210,38 @@ impl Worker {
         shared.epoch = request.epoch;
         shared.communicator = Some(comm);
         Ok(pb::InitResponse { epoch: request.epoch })
+    }
+
+    /// Joins the group's communicator: NCCL on a CUDA device, the socket backend on the CPU.
+    fn join(
+        &self,
+        request: &pb::InitRequest,
+        rendezvous: Option<Rendezvous>,
+        init_timeout: Duration,
+    ) -> Result<Arc<dyn Collective>, Status> {
+        let (rank, world_size) = (request.rank as usize, request.world_size as usize);
+        #[cfg(feature = "cuda")]
+        if self.config.device.is_cuda() {
+            use crate::comm::nccl::{NcclCollective, NcclId, NcclOptions};
+            let id = NcclId::from_bytes(&request.comm_id)
+                .map_err(|err| Status::invalid_argument(format!("bad comm_id: {err}")))?;
+            // NCCL's kernels stop moments after an abort: a device still busy a collective
+            // timeout later is wedged, and the rank exits to be restarted (docs/gpu.md).
+            let options = NcclOptions {
+                init_timeout,
+                op_timeout: self.config.collective_timeout,
+                abort_timeout: self.config.collective_timeout,
+            };
+            let comm = NcclCollective::init(&id, rank, world_size, &self.config.device, options)
+                .map_err(|err| Status::unavailable(format!("NCCL communicator init failed: {err}")))?;
+            return Ok(Arc::new(comm));
+        }
+        let comm_id = CommId::from_bytes(&request.comm_id)
+            .map_err(|err| Status::invalid_argument(format!("bad comm_id: {err}")))?;
+        let options = SocketOptions { init_timeout, op_timeout: self.config.collective_timeout };
+        let comm = SocketCollective::init(&comm_id, rank, world_size, rendezvous, options)
+            .map_err(|err| Status::unavailable(format!("communicator init failed: {err}")))?;
+        Ok(Arc::new(comm))
     }
 
     fn load(&mut self, request: pb::LoadShardRequest, progress: Arc<LoadProgress>) -> Result<pb::ShardInfo, Status> {
