@@ -7,6 +7,7 @@
 //! - [`proto`]: the generated protocol code; [`net`]: addresses and transports.
 //! - [`cli`]: the `tpserve` command line.
 
+pub mod auth;
 pub mod cli;
 pub mod comm;
 pub mod coordinator;

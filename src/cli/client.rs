@@ -9,6 +9,7 @@ use clap::Args;
 use serde_json::json;
 use tonic::transport::Channel;
 
+use crate::auth::{API_TOKEN_ENV, AttachToken, load_token};
 use crate::net::{self, Address};
 use crate::proto::v1 as pb;
 use crate::proto::v1::generator_client::GeneratorClient;
@@ -40,6 +41,9 @@ pub struct GenerationArgs {
     /// Model id (default: the server's default model)
     #[arg(long, default_value = "")]
     pub model: String,
+    /// File holding the server's API token (else $TPSERVE_API_TOKEN)
+    #[arg(long)]
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 impl GenerationArgs {
@@ -99,8 +103,15 @@ async fn channel(server: &Address) -> Result<Channel> {
     net::connect(server, Duration::from_secs(10)).await
 }
 
+type Client = GeneratorClient<tonic::service::interceptor::InterceptedService<Channel, AttachToken>>;
+
+async fn generator(server: &Address, args: &GenerationArgs) -> Result<Client> {
+    let token = load_token(args.token_file.as_deref(), API_TOKEN_ENV)?;
+    Ok(GeneratorClient::with_interceptor(channel(server).await?, AttachToken::bearer(token.as_ref())?))
+}
+
 pub async fn generate(args: GenerateArgs) -> Result<ExitCode> {
-    let mut client = GeneratorClient::new(channel(&args.server).await?);
+    let mut client = generator(&args.server, &args.generation).await?;
     let request = pb::GenerateRequest {
         model: args.generation.model.clone(),
         prompt: args.prompt.unwrap_or_default(),
@@ -112,7 +123,7 @@ pub async fn generate(args: GenerateArgs) -> Result<ExitCode> {
 }
 
 pub async fn chat(args: ChatArgs) -> Result<ExitCode> {
-    let mut client = GeneratorClient::new(channel(&args.server).await?);
+    let mut client = generator(&args.server, &args.generation).await?;
     let mut messages = Vec::new();
     if let Some(system) = args.system {
         messages.push(pb::ChatMessage { role: "system".into(), content: system });

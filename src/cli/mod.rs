@@ -12,7 +12,8 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
 
-use crate::coordinator::CoordinatorOptions;
+use crate::auth::{ADMIN_TOKEN_ENV, API_TOKEN_ENV, CLUSTER_TOKEN_ENV, Secret, load_token};
+use crate::coordinator::{CoordinatorOptions, Tokens};
 use crate::coordinator::engine::SchedulerConfig;
 use crate::coordinator::service::RpcLimits;
 use crate::net::Address;
@@ -74,6 +75,33 @@ pub struct RankArgs {
     /// KV cache budget per model in GiB (default: half the available memory, shared by the group)
     #[arg(long)]
     pub kv_cache_gib: Option<f64>,
+    /// File holding the cluster token every rank RPC must carry (else $TPSERVE_CLUSTER_TOKEN)
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+}
+
+/// Tokens of a server that faces clients.
+#[derive(Args, Debug, Clone, Default)]
+pub struct TokenArgs {
+    /// File holding the token public API clients must send as a bearer token (else
+    /// $TPSERVE_API_TOKEN; without either the API is open)
+    #[arg(long)]
+    pub api_token_file: Option<PathBuf>,
+    /// File holding the token the Admin service requires (else $TPSERVE_ADMIN_TOKEN; without
+    /// either Admin is disabled)
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
+}
+
+impl TokenArgs {
+    /// The API and admin tokens, plus the cluster token given.
+    pub fn tokens(&self, cluster: Option<Secret>) -> Result<Tokens> {
+        Ok(Tokens {
+            cluster,
+            api: load_token(self.api_token_file.as_deref(), API_TOKEN_ENV)?,
+            admin: load_token(self.admin_token_file.as_deref(), ADMIN_TOKEN_ENV)?,
+        })
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -98,6 +126,11 @@ pub struct CoordinatorArgs {
     /// Seconds to wait for the ranks to appear
     #[arg(long, default_value_t = 300)]
     pub rank_wait_secs: u64,
+    /// File holding the cluster token sent to the ranks (else $TPSERVE_CLUSTER_TOKEN)
+    #[arg(long)]
+    pub cluster_token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tokens: TokenArgs,
 }
 
 /// Scheduling and admission.
@@ -173,6 +206,8 @@ pub struct ServeArgs {
     pub kv_cache_gib: Option<f64>,
     #[command(flatten)]
     pub scheduler: SchedulerArgs,
+    #[command(flatten)]
+    pub tokens: TokenArgs,
 }
 
 impl CoordinatorArgs {
@@ -189,6 +224,7 @@ impl CoordinatorArgs {
             init_timeout: Duration::from_secs(120),
             recovery_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(self.scheduler.shutdown_grace_secs),
+            tokens: self.tokens.tokens(load_token(self.cluster_token_file.as_deref(), CLUSTER_TOKEN_ENV)?)?,
         })
     }
 }

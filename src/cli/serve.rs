@@ -12,7 +12,8 @@ use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 
 use super::{RankArgs, SchedulerArgs, ServeArgs, available_cores};
-use crate::coordinator::{self, CoordinatorOptions};
+use crate::auth::{CLUSTER_TOKEN_ENV, Secret, load_token};
+use crate::coordinator::{self, CoordinatorOptions, Tokens};
 use crate::net::Address;
 use crate::rank::server::{RankOptions, run as run_rank_server};
 
@@ -35,6 +36,7 @@ pub async fn run_rank(args: RankArgs) -> Result<()> {
         init_timeout: Duration::from_secs(120),
         collective_timeout: Duration::from_secs(args.collective_timeout_secs),
         kv_cache_bytes: args.kv_cache_gib.map(|gib| (gib * (1u64 << 30) as f64) as u64),
+        cluster_token: load_token(args.cluster_token_file.as_deref(), CLUSTER_TOKEN_ENV)?,
     })
     .await
 }
@@ -77,7 +79,9 @@ fn local_hostname() -> Option<String> {
 
 pub async fn run_serve(args: ServeArgs) -> Result<()> {
     let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None };
-    let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, args.listen.clone()).await?;
+    let tokens = args.tokens.tokens(None)?;
+    let cluster =
+        LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, tokens, args.listen.clone()).await?;
     super::termination_signal().await;
     tracing::info!("stopping");
     cluster.shutdown().await
@@ -116,8 +120,13 @@ impl LocalCluster {
         dtype: &str,
         settings: RankSettings,
         scheduler: &SchedulerArgs,
+        mut tokens: Tokens,
         listen: Address,
     ) -> Result<Self> {
+        // This process starts both sides, so it can make up the cluster token itself; the
+        // ranks get it through their environment, not their command line.
+        let cluster_token = tokens.cluster.clone().unwrap_or_else(Secret::random);
+        tokens.cluster = Some(cluster_token.clone());
         if tp == 0 {
             bail!("--tp must be at least 1");
         }
@@ -142,9 +151,12 @@ impl LocalCluster {
             if let Some(gib) = settings.kv_cache_gib {
                 args.extend(["--kv-cache-gib".to_owned(), gib.to_string()]);
             }
-            let log_filter = settings.log_filter.clone();
+            let mut env = vec![(CLUSTER_TOKEN_ENV.to_owned(), cluster_token.expose().to_owned())];
+            if let Some(filter) = &settings.log_filter {
+                env.push(("RUST_LOG".to_owned(), filter.clone()));
+            }
             let flags = (draining.clone(), stopping.clone());
-            supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, log_filter, rank, flags)));
+            supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, env, rank, flags)));
             ranks.push(address);
         }
         let options = CoordinatorOptions {
@@ -159,6 +171,7 @@ impl LocalCluster {
             init_timeout: Duration::from_secs(120),
             recovery_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(scheduler.shutdown_grace_secs),
+            tokens,
         };
         let stop_coordinator = Arc::new(tokio::sync::Notify::new());
         let stop = stop_coordinator.clone();
@@ -209,13 +222,13 @@ fn absolute(path: &Path) -> Result<PathBuf> {
 async fn supervise_rank(
     exe: PathBuf,
     args: Vec<String>,
-    log_filter: Option<String>,
+    env: Vec<(String, String)>,
     rank: usize,
     (draining, stopping): (Arc<AtomicBool>, Arc<AtomicBool>),
 ) {
     let mut restarts = 0u32;
     loop {
-        let mut child = match spawn_rank(&exe, &args, log_filter.as_deref()) {
+        let mut child = match spawn_rank(&exe, &args, &env) {
             Ok(child) => child,
             Err(err) => {
                 tracing::error!(rank, error = %format!("{err:#}"), "cannot start rank process");
@@ -259,12 +272,10 @@ async fn wait_or_stop(child: &mut Child, stopping: &AtomicBool) -> Option<std::p
     }
 }
 
-fn spawn_rank(exe: &Path, args: &[String], log_filter: Option<&str>) -> Result<Child> {
+fn spawn_rank(exe: &Path, args: &[String], env: &[(String, String)]) -> Result<Child> {
     let mut command = Command::new(exe);
     command.args(args).stdin(Stdio::null()).kill_on_drop(true);
-    if let Some(filter) = log_filter {
-        command.env("RUST_LOG", filter);
-    }
+    command.envs(env.iter().map(|(k, v)| (k, v)));
     // SAFETY: prctl and setpgid are async-signal-safe. PDEATHSIG asks the kernel to SIGTERM
     // the child when this process dies, however it dies. Its own process group keeps a
     // terminal's Ctrl-C from reaching the ranks directly: this process drains the in-flight

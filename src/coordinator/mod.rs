@@ -51,6 +51,18 @@ pub struct CoordinatorOptions {
     pub recovery_timeout: Duration,
     /// on SIGTERM, how long in-flight requests may run before the server stops anyway
     pub shutdown_grace: Duration,
+    pub tokens: Tokens,
+}
+
+/// The shared secrets a coordinator uses (see `crate::auth`).
+#[derive(Debug, Clone, Default)]
+pub struct Tokens {
+    /// sent to the ranks
+    pub cluster: Option<crate::auth::Secret>,
+    /// required from public API clients when set
+    pub api: Option<crate::auth::Secret>,
+    /// required for Admin; without it Admin is disabled
+    pub admin: Option<crate::auth::Secret>,
 }
 
 /// A model being served: what the coordinator needs to tokenize, validate and stop, plus the
@@ -400,6 +412,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
         health_service,
         coordinator_receiver,
         options.limits.clone(),
+        options.tokens.clone(),
         listener.into_incoming(),
         async move {
             let _ = server_stopped.await;
@@ -407,7 +420,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     ));
 
     let startup = async {
-        let ranks = RankSet::connect(&options.ranks, options.rank_patience).await?;
+        let ranks = RankSet::connect(&options.ranks, options.rank_patience, options.tokens.cluster.as_ref()).await?;
         let supervisor = Arc::new(Supervisor {
             ranks,
             epoch: AtomicU64::new(0),

@@ -7,6 +7,9 @@ use anyhow::{Context, Result, bail};
 use futures::future::try_join_all;
 use tonic::transport::Channel;
 
+use tonic::service::interceptor::InterceptedService;
+
+use crate::auth::{AttachToken, Secret};
 use crate::net::{self, Address};
 use crate::proto::RANK_PROTOCOL_VERSION;
 use crate::proto::rank::v1 as pb;
@@ -15,17 +18,20 @@ use crate::proto::rank::v1::rank_client::RankClient;
 /// Messages can carry a long prompt's tokens; allow more than tonic's 4 MiB default.
 const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+type Client = RankClient<InterceptedService<Channel, AttachToken>>;
+
 #[derive(Clone)]
 pub struct RankSet {
     addresses: Vec<Address>,
-    clients: Vec<RankClient<Channel>>,
+    clients: Vec<Client>,
 }
 
 impl RankSet {
     /// Connects to every rank, retrying with exponential backoff until `patience` runs out,
     /// then checks each speaks our protocol version.
-    pub async fn connect(addresses: &[Address], patience: Duration) -> Result<Self> {
-        let clients = try_join_all(addresses.iter().map(|a| connect_one(a, patience))).await?;
+    pub async fn connect(addresses: &[Address], patience: Duration, cluster_token: Option<&Secret>) -> Result<Self> {
+        let token = AttachToken::cluster(cluster_token)?;
+        let clients = try_join_all(addresses.iter().map(|a| connect_one(a, patience, token.clone()))).await?;
         let set = Self { addresses: addresses.to_vec(), clients };
         let infos = set.info().await?;
         for (address, info) in addresses.iter().zip(&infos) {
@@ -210,14 +216,14 @@ impl std::fmt::Display for RankFailure {
 
 impl std::error::Error for RankFailure {}
 
-async fn connect_one(address: &Address, patience: Duration) -> Result<RankClient<Channel>> {
+async fn connect_one(address: &Address, patience: Duration, token: AttachToken) -> Result<Client> {
     let started = Instant::now();
     let mut delay = Duration::from_millis(50);
     let mut announced = false;
     loop {
         match net::connect(address, Duration::from_secs(5)).await {
             Ok(channel) => {
-                return Ok(RankClient::new(channel)
+                return Ok(RankClient::with_interceptor(channel, token)
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_MESSAGE_BYTES));
             }

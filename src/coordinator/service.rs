@@ -12,6 +12,7 @@ use tonic::{Request, Response, Status};
 use super::chat_template::ChatMessage;
 use super::engine::NewRequest;
 use super::{Coordinator, ModelHandle};
+use crate::auth::RequireToken;
 use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
 use crate::proto::v1::admin_server::{Admin, AdminServer};
@@ -45,6 +46,7 @@ pub async fn serve(
     health: tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
     coordinator: CoordinatorCell,
     limits: RpcLimits,
+    tokens: super::Tokens,
     incoming: crate::net::Incoming,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
@@ -63,8 +65,11 @@ pub async fn serve(
         .add_service(health)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(GeneratorServer::new(GeneratorService { coordinator: coordinator.clone() }))
-        .add_service(AdminServer::new(AdminService { coordinator }))
+        .add_service(GeneratorServer::with_interceptor(
+            GeneratorService { coordinator: coordinator.clone() },
+            RequireToken::api(tokens.api),
+        ))
+        .add_service(AdminServer::with_interceptor(AdminService { coordinator }, RequireToken::admin(tokens.admin)))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await?;
     Ok(())

@@ -32,6 +32,8 @@ pub struct RankOptions {
     pub collective_timeout: Duration,
     /// KV cache budget per model in bytes (None: derived from available memory)
     pub kv_cache_bytes: Option<u64>,
+    /// required on every rank RPC when set
+    pub cluster_token: Option<crate::auth::Secret>,
 }
 
 pub struct RankService {
@@ -269,13 +271,19 @@ pub async fn run(options: RankOptions) -> anyhow::Result<()> {
     let (reflection_v1, reflection_v1alpha) =
         crate::proto::reflection_services(&["tpserve.rank.v1.Rank", "grpc.health.v1.Health"])?;
 
+    if options.cluster_token.is_none() {
+        tracing::warn!("no cluster token ({}): anyone who can reach this rank's address can drive it", crate::auth::CLUSTER_TOKEN_ENV);
+    }
     let listener = Listener::bind(&options.listen).await?;
     tracing::info!(listen = %listener.local_address()?, device = %options.device_name, "rank serving");
     let router = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(RankServer::new(service).max_decoding_message_size(256 << 20));
+        .add_service(tonic::service::interceptor::InterceptedService::new(
+            RankServer::new(service).max_decoding_message_size(256 << 20),
+            crate::auth::RequireToken::cluster(options.cluster_token.clone()),
+        ));
     let stop = async move {
         tokio::select! {
             _ = shutdown.notified() => {}
