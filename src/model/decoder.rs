@@ -12,12 +12,12 @@ use candle_core::{DType, Tensor};
 
 use super::cache::{LayerCache, SequenceCache};
 use super::config::ModelConfig;
+use super::gated_delta_net::GatedDeltaNet;
 use super::layers::{Attention, Mlp, NormWeight, RmsNorm};
 use super::loader::ShardLoader;
 use super::moe::SparseMoe;
 use super::parallel::{ParallelLmHead, TpGroup, VocabParallelEmbedding};
 use super::qwen3::Rotary;
-use super::qwen3_5::GatedDeltaNet;
 use super::SequenceInput;
 
 /// How a layer mixes information across positions.

@@ -7,6 +7,7 @@ pub mod cache;
 pub mod config;
 pub mod cpu_matmul;
 pub mod decoder;
+pub mod gated_delta_net;
 pub mod layers;
 pub mod loader;
 pub mod moe;

@@ -294,6 +294,14 @@ impl Worker {
             })
             .collect();
         check_capacity(shard, &inputs)?;
+        // Refuse bad sampling parameters before the forward pass changes any cache.
+        let vocab_size = shard.model.config().vocab_size;
+        for seq in request.sequences.iter().filter(|s| s.sample) {
+            let params = sampling_params(&seq.sampling.clone().unwrap_or_default());
+            params.validate(vocab_size).map_err(|reason| {
+                Status::invalid_argument(format!("sequence {}: {reason}", seq.seq_id))
+            })?;
+        }
         let logits = shard.model.step(&inputs, &mut shard.caches).map_err(step_error)?;
         let mut tokens = Vec::new();
         for seq in &request.sequences {
@@ -392,13 +400,16 @@ impl SequenceTokens {
     }
 }
 
+/// proto3 cannot tell 0 from unset: top_p and repetition_penalty of 0 (meaningless values)
+/// mean "off", as an unset field would.
 fn sampling_params(p: &pb::SamplingParams) -> SamplingParams {
+    let unset_is_one = |v: f32| if v == 0.0 { 1.0 } else { v };
     SamplingParams {
         temperature: p.temperature,
         top_k: p.top_k,
-        top_p: p.top_p,
+        top_p: unset_is_one(p.top_p),
         min_p: p.min_p,
-        repetition_penalty: p.repetition_penalty,
+        repetition_penalty: unset_is_one(p.repetition_penalty),
         presence_penalty: p.presence_penalty,
         frequency_penalty: p.frequency_penalty,
         seed: p.seed,

@@ -1,0 +1,470 @@
+//! Gated DeltaNet, the linear attention of Qwen3.5, tensor-parallel by head.
+//!
+//! in_proj_qkv, then a depthwise causal convolution over [q | k | v] (silu), per-head L2
+//! normalised q and k, and the gated delta rule: a per-head [key_dim, value_dim] memory that
+//! decays by exp(g) every token and is corrected towards each new value with strength beta; its
+//! read-out goes through an RMSNorm (plain w) gated by silu(z), then out_proj.
+//!
+//! A rank owns an equal share of the value heads and the key heads they read: the fused
+//! [q | k | v] rows of in_proj_qkv and the conv channels are cut region by region, in_proj_z,
+//! in_proj_b, in_proj_a, A_log and dt_bias by value head; out_proj is row-parallel (one
+//! all-reduce). The conv history and the memory live per sequence in the rank's cache
+//! ([`RecurrentState`]). A prefill runs the chunked form of the rule (blocks of 64 tokens, as
+//! transformers' torch_chunk_gated_delta_rule), a decode step the recurrent form.
+
+use std::ops::Range;
+
+use anyhow::{Result, bail};
+use candle_core::{D, DType, Device, Tensor};
+
+use super::SequenceInput;
+use super::cache::{LayerCache, RecurrentState};
+use super::config::ModelConfig;
+use super::layers::{NormWeight, RmsNorm};
+use super::loader::ShardLoader;
+use super::parallel::{ColumnParallelLinear, RowParallelLinear, RowSlice, TpGroup};
+
+/// Tokens per block of the chunked delta rule (as transformers' torch_chunk_gated_delta_rule).
+const CHUNK: usize = 64;
+/// The epsilon of the q/k L2 normalisation, as in the FLA kernels.
+const L2_EPS: f64 = 1e-6;
+
+/// Shape of the Gated DeltaNet layers.
+#[derive(Debug, Clone)]
+pub struct LinearConfig {
+    pub conv_kernel: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub num_key_heads: usize,
+    pub num_value_heads: usize,
+}
+
+/// Which linear-attention heads a rank owns: an equal share of the value heads, and the key
+/// heads they read. Value head v reads key head v / (value heads per key head), so a rank's key
+/// heads are contiguous too; when a key head's group of value heads straddles two ranks, both
+/// hold it.
+#[derive(Debug, Clone)]
+pub struct LinearHeads {
+    first_value: usize,
+    local_values: usize,
+    first_key: usize,
+    local_keys: usize,
+    /// for every local value head, the local index of the key head it reads
+    key_of_value: Vec<u32>,
+}
+
+impl LinearHeads {
+    pub fn new(group: &TpGroup, config: &LinearConfig) -> Result<Self> {
+        let values = group.part("linear_num_value_heads", config.num_value_heads)?;
+        let per_key = config.num_value_heads / config.num_key_heads;
+        let first_key = values.start / per_key;
+        let last_key = (values.end - 1) / per_key;
+        let key_of_value = values.clone().map(|v| (v / per_key - first_key) as u32).collect();
+        Ok(Self {
+            first_value: values.start,
+            local_values: values.len(),
+            first_key,
+            local_keys: last_key - first_key + 1,
+            key_of_value,
+        })
+    }
+
+    fn values(&self) -> Range<usize> {
+        self.first_value..self.first_value + self.local_values
+    }
+
+    fn keys(&self) -> Range<usize> {
+        self.first_key..self.first_key + self.local_keys
+    }
+}
+
+fn scaled(range: Range<usize>, factor: usize, offset: usize) -> Range<usize> {
+    offset + range.start * factor..offset + range.end * factor
+}
+
+/// A Gated DeltaNet (linear attention) layer: this rank's heads.
+pub struct GatedDeltaNet {
+    /// this rank's rows of in_proj_qkv ([q | k | v] of its heads), in_proj_z, in_proj_b, in_proj_a
+    in_proj: ColumnParallelLinear,
+    /// depthwise causal convolution over the local [q | k | v] channels, [kernel, channels]:
+    /// one row per tap, so a tap is one broadcast multiply over the tokens
+    conv: Tensor,
+    /// -exp(A_log) per local value head, f32 (the gates are computed on the host)
+    neg_a: Vec<f32>,
+    dt_bias: Vec<f32>,
+    /// the gated norm scales by plain w
+    norm: RmsNorm,
+    out_proj: RowParallelLinear,
+    heads: LinearHeads,
+    key_of_value: Tensor, // [local value heads] u32
+    key_head_dim: usize,
+    value_head_dim: usize,
+    kernel: usize,
+    drop_conv_state: bool,
+}
+
+impl GatedDeltaNet {
+    pub fn load(
+        loader: &ShardLoader,
+        group: &TpGroup,
+        config: &ModelConfig,
+        linear: &LinearConfig,
+        drop_conv_state: bool,
+    ) -> Result<Self> {
+        let heads = LinearHeads::new(group, linear)?;
+        let (dk, dv, kernel) = (linear.key_head_dim, linear.value_head_dim, linear.conv_kernel);
+        let key_dim = linear.num_key_heads * dk;
+        let value_dim = linear.num_value_heads * dv;
+        let conv_dim = 2 * key_dim + value_dim;
+        // The fused [q | k | v] rows, and the conv channels that follow them, cut region by region.
+        let channels = vec![
+            scaled(heads.keys(), dk, 0),
+            scaled(heads.keys(), dk, key_dim),
+            scaled(heads.values(), dv, 2 * key_dim),
+        ];
+        let value_rows = scaled(heads.values(), dv, 0);
+        let nv = linear.num_value_heads;
+        let in_proj = ColumnParallelLinear::load_fused(
+            loader,
+            &[
+                (RowSlice { name: "in_proj_qkv", rows: channels.clone() }, conv_dim),
+                (RowSlice { name: "in_proj_z", rows: vec![value_rows.clone()] }, value_dim),
+                (RowSlice { name: "in_proj_b", rows: vec![heads.values()] }, nv),
+                (RowSlice { name: "in_proj_a", rows: vec![heads.values()] }, nv),
+            ],
+            config.hidden_size,
+            false,
+        )?;
+        let local_channels: usize = channels.iter().map(|r| r.len()).sum();
+        let conv = loader
+            .slice("conv1d.weight", &[conv_dim, 1, kernel], 0, &channels)?
+            .reshape((local_channels, kernel))?
+            .t()?
+            .contiguous()?;
+        let per_head = |name: &str| -> Result<Vec<f32>> {
+            Ok(loader.slice(name, &[nv], 0, &[heads.values()])?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        };
+        let neg_a = per_head("A_log")?.into_iter().map(|a| -a.exp()).collect();
+        let dt_bias = per_head("dt_bias")?;
+        let norm = RmsNorm::load(loader, "norm", dv, config.rms_norm_eps, NormWeight::Plain)?;
+        let out_proj =
+            RowParallelLinear::load_columns(loader, group, "out_proj", config.hidden_size, value_dim, &[value_rows], false)?;
+        let key_of_value = Tensor::new(heads.key_of_value.as_slice(), loader.device())?;
+        Ok(Self {
+            in_proj,
+            conv,
+            neg_a,
+            dt_bias,
+            norm,
+            out_proj,
+            heads,
+            key_of_value,
+            key_head_dim: dk,
+            value_head_dim: dv,
+            kernel,
+            drop_conv_state,
+        })
+    }
+
+    pub fn weights(&self) -> Vec<&Tensor> {
+        let mut all = self.in_proj.weights();
+        all.extend([&self.conv, self.norm.weight()]);
+        all.extend(self.out_proj.weights());
+        all
+    }
+
+    /// x [tokens, hidden] -> [tokens, hidden]; `caches` are this layer's caches, one per sequence.
+    pub fn forward(&self, x: &Tensor, batch: &[SequenceInput<'_>], caches: &mut [&mut LayerCache]) -> Result<Tensor> {
+        let tokens = x.dim(0)?;
+        let (heads, dv) = (self.heads.local_values, self.value_head_dim);
+        let parts = self.in_proj.forward_split(x)?;
+        let (mixed, z) = (&parts[0], &parts[1]);
+        let (beta, g) = self.gates(&parts[2], &parts[3])?;
+
+        let mut outputs = Vec::with_capacity(batch.len());
+        let mut offset = 0;
+        for (seq, cache) in batch.iter().zip(caches.iter_mut()) {
+            let n = seq.tokens.len();
+            let LayerCache::Recurrent(state) = &mut **cache else {
+                bail!("sequence {}: a linear-attention layer was given an attention cache", seq.seq_id);
+            };
+            let mixed = self.convolve(&mixed.narrow(0, offset, n)?, state)?;
+            let (q, k, v) = self.split_heads(&mixed)?;
+            let rows = offset * heads..(offset + n) * heads;
+            let (beta, g) = (&beta[rows.clone()], &g[rows]);
+            let memory = match state.memory.take() {
+                Some(memory) => memory,
+                None => Tensor::zeros((heads, self.key_head_dim, dv), DType::F32, x.device())?,
+            };
+            let (out, memory) = if n == 1 {
+                recurrent_step(&q, &k, &v, beta, g, &memory)?
+            } else {
+                chunked_delta_rule(&q, &k, &v, beta, g, memory)?
+            };
+            state.memory = Some(memory);
+            outputs.push(out.transpose(0, 1)?); // [n, heads, dv]
+            offset += n;
+        }
+        let core = Tensor::cat(&outputs, 0)?.to_dtype(x.dtype())?; // [tokens, heads, dv]
+        let z = z.reshape((tokens, heads, dv))?;
+        let gated = (self.norm.forward(&core)? * candle_nn::ops::silu(&z)?)?;
+        self.out_proj.forward(&gated.reshape((tokens, heads * dv))?)
+    }
+
+    /// beta = sigmoid(b) and the log-decay g = -exp(A_log) * softplus(a + dt_bias), in f32,
+    /// [tokens * local value heads] row-major.
+    fn gates(&self, b: &Tensor, a: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
+        let beta = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let beta = beta.into_iter().map(|b| 1.0 / (1.0 + (-b).exp())).collect();
+        let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let heads = self.neg_a.len();
+        let g = a
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| self.neg_a[i % heads] * softplus(a + self.dt_bias[i % heads]))
+            .collect();
+        Ok((beta, g))
+    }
+
+    /// The causal depthwise convolution of one sequence's new [q | k | v] channels x
+    /// [n, channels], continuing from the `kernel - 1` inputs before them; silu applied.
+    fn convolve(&self, x: &Tensor, state: &mut RecurrentState) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        let history_len = self.kernel - 1;
+        let history = match &state.conv {
+            // The deliberate fault: a prefill chunk forgets the chunk before it.
+            Some(_) if self.drop_conv_state && n > 1 => None,
+            history => history.clone(),
+        };
+        let padded = match history {
+            Some(history) => Tensor::cat(&[&history, x], 0)?,
+            None if history_len > 0 => {
+                Tensor::cat(&[&Tensor::zeros((history_len, x.dim(1)?), x.dtype(), x.device())?, x], 0)?
+            }
+            None => x.clone(),
+        }; // [history_len + n, channels]
+        let mut out = padded.narrow(0, 0, n)?.broadcast_mul(&self.conv.get(0)?)?;
+        for tap in 1..self.kernel {
+            out = (out + padded.narrow(0, tap, n)?.broadcast_mul(&self.conv.get(tap)?)?)?;
+        }
+        if history_len > 0 {
+            state.conv = Some(padded.narrow(0, n, history_len)?.contiguous()?);
+        }
+        Ok(candle_nn::ops::silu(&out)?)
+    }
+
+    /// The convolved channels [n, channels] as f32 per value head: q (L2-normalised and scaled
+    /// by 1/sqrt(key_head_dim)) and k (L2-normalised) [heads, n, key_head_dim], v [heads, n,
+    /// value_head_dim]. Key heads are repeated for the value heads that read them.
+    fn split_heads(&self, mixed: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let n = mixed.dim(0)?;
+        let (dk, dv) = (self.key_head_dim, self.value_head_dim);
+        let (keys, values) = (self.heads.local_keys, self.heads.local_values);
+        let mixed = mixed.to_dtype(DType::F32)?;
+        let per_value_head = |t: Tensor| -> Result<Tensor> {
+            let t = l2_normalize(&t.reshape((n, keys, dk))?)?;
+            Ok(t.index_select(&self.key_of_value, 1)?.transpose(0, 1)?.contiguous()?)
+        };
+        let q = (per_value_head(mixed.narrow(1, 0, keys * dk)?)? * (1.0 / (dk as f64).sqrt()))?;
+        let k = per_value_head(mixed.narrow(1, keys * dk, keys * dk)?)?;
+        let v = mixed.narrow(1, 2 * keys * dk, values * dv)?.reshape((n, values, dv))?.transpose(0, 1)?.contiguous()?;
+        Ok((q, k, v))
+    }
+}
+
+/// torch's softplus (beta 1, threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// x / sqrt(sum(x^2) + eps) over the last dimension.
+fn l2_normalize(x: &Tensor) -> Result<Tensor> {
+    let norm = (x.sqr()?.sum_keepdim(D::Minus1)? + L2_EPS)?.sqrt()?;
+    Ok(x.broadcast_div(&norm)?)
+}
+
+/// One token of the gated delta rule. q, k [heads, 1, dk]; v [heads, 1, dv]; beta and g per
+/// head; memory [heads, dk, dv]. Returns the output [heads, 1, dv] and the new memory.
+fn recurrent_step(q: &Tensor, k: &Tensor, v: &Tensor, beta: &[f32], g: &[f32], memory: &Tensor) -> Result<(Tensor, Tensor)> {
+    let heads = beta.len();
+    let device = q.device();
+    let decay = Tensor::from_vec(g.iter().map(|g| g.exp()).collect::<Vec<_>>(), (heads, 1, 1), device)?;
+    let beta = Tensor::from_vec(beta.to_vec(), (heads, 1, 1), device)?;
+    let memory = memory.broadcast_mul(&decay)?;
+    // What the memory already predicts for k; only the correction towards v is written.
+    let predicted = k.matmul(&memory)?; // [heads, 1, dv]
+    let delta = (v - predicted)?.broadcast_mul(&beta)?;
+    let memory = (memory + k.transpose(1, 2)?.matmul(&delta)?)?;
+    let out = q.matmul(&memory)?;
+    Ok((out, memory))
+}
+
+/// The gated delta rule over n tokens in blocks of [`CHUNK`]: within a block the sequential
+/// updates collapse into a unit lower-triangular system (the UT transform of the DeltaNet
+/// paper), solved once; across blocks the memory carries over. Same inputs as
+/// [`recurrent_step`] with n tokens ([n * heads] for beta and g, token-major); returns the
+/// output [heads, n, dv] and the new memory.
+fn chunked_delta_rule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    beta: &[f32],
+    g: &[f32],
+    mut memory: Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (heads, n, dk) = q.dims3()?;
+    let dv = v.dim(2)?;
+    let device = q.device();
+    let mut outputs = Vec::with_capacity(n.div_ceil(CHUNK));
+    for start in (0..n).step_by(CHUNK) {
+        let len = CHUNK.min(n - start);
+        let gates = ChunkGates::new(&beta[start * heads..(start + len) * heads], &g[start * heads..(start + len) * heads], heads, device)?;
+        let (q, k, v) = (q.narrow(1, start, len)?, k.narrow(1, start, len)?, v.narrow(1, start, len)?);
+        let k_t = k.transpose(1, 2)?;
+        let k_beta = k.broadcast_mul(&gates.beta)?;
+        let v_beta = v.broadcast_mul(&gates.beta)?;
+        // system[i, j] (j < i): how much token j's update changes what token i's key reads.
+        let system = (k_beta.matmul(&k_t)? * &gates.decay)?;
+        let rhs = Tensor::cat(&[&v_beta, &k_beta.broadcast_mul(&gates.cum_decay)?], 2)?;
+        let solved = solve_unit_lower(&system, &rhs)?; // [heads, len, dv + dk]
+        let (new_values, decayed_keys) = (solved.narrow(2, 0, dv)?, solved.narrow(2, dv, dk)?);
+        let intra = (q.matmul(&k_t)? * &gates.decay)?; // causal, decayed q.k within the block
+        // The part of each update the memory from earlier blocks already predicts is removed.
+        let v_new = (new_values - decayed_keys.matmul(&memory)?)?;
+        let out = (q.broadcast_mul(&gates.cum_decay)?.matmul(&memory)? + intra.matmul(&v_new)?)?;
+        memory = (memory.broadcast_mul(&gates.block_decay)?
+            + k.broadcast_mul(&gates.decay_to_end)?.transpose(1, 2)?.matmul(&v_new)?)?;
+        outputs.push(out);
+    }
+    debug_assert_eq!(memory.dims(), &[heads, dk, dv]);
+    Ok((Tensor::cat(&outputs, 1)?, memory))
+}
+
+/// The per-token gates of one block, as tensors per head.
+struct ChunkGates {
+    beta: Tensor,         // [heads, len, 1]
+    /// exp(G_i - G_j) for j <= i, else 0, where G is the cumulative log-decay: [heads, len, len]
+    decay: Tensor,
+    cum_decay: Tensor,    // exp(G_i) [heads, len, 1]
+    decay_to_end: Tensor, // exp(G_last - G_i) [heads, len, 1]
+    block_decay: Tensor,  // exp(G_last) [heads, 1, 1]
+}
+
+impl ChunkGates {
+    /// `beta` and `g` are [len * heads], token-major.
+    fn new(beta: &[f32], g: &[f32], heads: usize, device: &Device) -> Result<Self> {
+        let len = g.len() / heads;
+        let mut cum = vec![0f32; heads * len]; // head-major
+        for h in 0..heads {
+            let mut total = 0f32;
+            for t in 0..len {
+                total += g[t * heads + h];
+                cum[h * len + t] = total;
+            }
+        }
+        let mut decay = vec![0f32; heads * len * len];
+        for h in 0..heads {
+            let cum = &cum[h * len..(h + 1) * len];
+            for i in 0..len {
+                for j in 0..=i {
+                    decay[(h * len + i) * len + j] = (cum[i] - cum[j]).exp();
+                }
+            }
+        }
+        let beta: Vec<f32> = (0..heads).flat_map(|h| (0..len).map(move |t| beta[t * heads + h])).collect();
+        let cum_decay = cum.iter().map(|c| c.exp()).collect();
+        let decay_to_end = (0..heads * len).map(|i| (cum[(i / len) * len + len - 1] - cum[i]).exp()).collect();
+        let block_decay = (0..heads).map(|h| cum[h * len + len - 1].exp()).collect();
+        Ok(Self {
+            beta: Tensor::from_vec(beta, (heads, len, 1), device)?,
+            decay: Tensor::from_vec(decay, (heads, len, len), device)?,
+            cum_decay: Tensor::from_vec(cum_decay, (heads, len, 1), device)?,
+            decay_to_end: Tensor::from_vec(decay_to_end, (heads, len, 1), device)?,
+            block_decay: Tensor::from_vec(block_decay, (heads, 1, 1), device)?,
+        })
+    }
+}
+
+/// Solves (I + L) X = B per head by forward substitution, where L is the strictly lower
+/// triangle of `system` [heads, len, len] (its diagonal and upper triangle are ignored, as in
+/// torch's solve_triangular(unitriangular=True)); B [heads, len, m].
+fn solve_unit_lower(system: &Tensor, rhs: &Tensor) -> Result<Tensor> {
+    let (heads, len, m) = rhs.dims3()?;
+    let a = system.flatten_all()?.to_vec1::<f32>()?;
+    let mut x = rhs.flatten_all()?.to_vec1::<f32>()?;
+    for h in 0..heads {
+        let a = &a[h * len * len..(h + 1) * len * len];
+        let x = &mut x[h * len * m..(h + 1) * len * m];
+        for i in 1..len {
+            let (solved, rest) = x.split_at_mut(i * m);
+            let row = &mut rest[..m];
+            for j in 0..i {
+                let coefficient = a[i * len + j];
+                for (target, source) in row.iter_mut().zip(&solved[j * m..(j + 1) * m]) {
+                    *target -= coefficient * source;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(x, (heads, len, m), rhs.device())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_hold_the_key_heads_their_value_heads_read() {
+        let linear = |keys, values| LinearConfig {
+            conv_kernel: 4,
+            key_head_dim: 8,
+            value_head_dim: 8,
+            num_key_heads: keys,
+            num_value_heads: values,
+        };
+        let group = |rank, world_size| TpGroup { rank, world_size, comm: std::sync::Arc::new(crate::comm::SingleRank) };
+        // 4 key heads, 8 value heads, TP 2: rank 1 has value heads 4..8, reading key heads 2 and 3.
+        let heads = LinearHeads::new(&group(1, 2), &linear(4, 8)).unwrap();
+        assert_eq!((heads.values(), heads.keys()), (4..8, 2..4));
+        assert_eq!(heads.key_of_value, [0, 0, 1, 1]);
+        // 2 key heads, 8 value heads, TP 8: each key head is held by the 4 ranks reading it.
+        let heads = LinearHeads::new(&group(5, 8), &linear(2, 8)).unwrap();
+        assert_eq!((heads.values(), heads.keys()), (5..6, 1..2));
+        // 2 key heads, 6 value heads, TP 3: rank 1 has value heads 2..4, straddling key heads 0 and 1.
+        let heads = LinearHeads::new(&group(1, 3), &linear(2, 6)).unwrap();
+        assert_eq!((heads.values(), heads.keys()), (2..4, 0..2));
+        assert_eq!(heads.key_of_value, [0, 1]);
+        let err = LinearHeads::new(&group(0, 3), &linear(4, 8)).unwrap_err();
+        assert!(err.to_string().contains("linear_num_value_heads (8)"), "{err}");
+    }
+
+    /// The chunked form is the recurrent form reorganised: over several blocks and from a
+    /// non-zero memory, both give the same outputs and final memory.
+    #[test]
+    fn chunked_delta_rule_equals_token_by_token() -> Result<()> {
+        let device = Device::Cpu;
+        let (heads, n, dk, dv) = (3, 2 * CHUNK + 37, 8, 6);
+        let q = l2_normalize(&Tensor::randn(0f32, 1.0, (heads, n, dk), &device)?)?;
+        let k = l2_normalize(&Tensor::randn(0f32, 1.0, (heads, n, dk), &device)?)?;
+        let v = Tensor::randn(0f32, 1.0, (heads, n, dv), &device)?;
+        let beta: Vec<f32> = (0..n * heads).map(|i| 0.1 + 0.8 * ((i * 37 % 101) as f32 / 101.0)).collect();
+        let g: Vec<f32> = (0..n * heads).map(|i| -0.3 * ((i * 53 % 97) as f32 / 97.0)).collect();
+        let memory = Tensor::randn(0f32, 0.5, (heads, dk, dv), &device)?;
+
+        let (chunked, chunked_memory) = chunked_delta_rule(&q, &k, &v, &beta, &g, memory.clone())?;
+        let mut stepped = Vec::new();
+        let mut stepped_memory = memory;
+        for t in 0..n {
+            let at = |x: &Tensor| x.narrow(1, t, 1);
+            let rows = t * heads..(t + 1) * heads;
+            let (out, next) = recurrent_step(&at(&q)?, &at(&k)?, &at(&v)?, &beta[rows.clone()], &g[rows], &stepped_memory)?;
+            stepped.push(out);
+            stepped_memory = next;
+        }
+        let stepped = Tensor::cat(&stepped, 1)?;
+        let max_diff = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+        assert!(max_diff(&chunked, &stepped)? < 1e-4, "outputs differ by {}", max_diff(&chunked, &stepped)?);
+        assert!(max_diff(&chunked_memory, &stepped_memory)? < 1e-4);
+        Ok(())
+    }
+}
