@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::str::FromStr;
 use std::task::{Context, Poll};
@@ -191,14 +191,46 @@ impl AsyncWrite for Connection {
     }
 }
 
+/// A server's TLS identity (PEM certificate chain and private key).
+pub fn server_tls(cert: &Path, key: &Path) -> Result<tonic::transport::ServerTlsConfig> {
+    let cert = std::fs::read(cert).with_context(|| format!("cannot read TLS certificate {}", cert.display()))?;
+    let key = std::fs::read(key).with_context(|| format!("cannot read TLS key {}", key.display()))?;
+    Ok(tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key)))
+}
+
+/// How a client verifies a TLS server: the CA (or self-signed certificate) to trust.
+#[derive(Clone)]
+pub struct ClientTls {
+    ca: tonic::transport::Certificate,
+}
+
+impl ClientTls {
+    pub fn from_ca_file(path: &Path) -> Result<Self> {
+        let pem = std::fs::read(path).with_context(|| format!("cannot read TLS CA {}", path.display()))?;
+        Ok(Self { ca: tonic::transport::Certificate::from_pem(pem) })
+    }
+}
+
 /// Opens a gRPC channel to `address`, failing if it cannot connect within `timeout`.
 pub async fn connect(address: &Address, timeout: Duration) -> Result<Channel> {
+    connect_with(address, timeout, None).await
+}
+
+/// [`connect`], over TLS when `tls` is given (TCP only: a Unix socket is protected by its mode).
+pub async fn connect_with(address: &Address, timeout: Duration, tls: Option<&ClientTls>) -> Result<Channel> {
     match address {
         Address::Tcp(host_port) => {
-            let endpoint = Endpoint::from_shared(format!("http://{host_port}"))
+            let scheme = if tls.is_some() { "https" } else { "http" };
+            let mut endpoint = Endpoint::from_shared(format!("{scheme}://{host_port}"))
                 .with_context(|| format!("invalid address {host_port}"))?
                 .connect_timeout(timeout)
                 .tcp_nodelay(true);
+            if let Some(tls) = tls {
+                let host = host_port.rsplit_once(':').map_or(host_port.as_str(), |(h, _)| h);
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                let config = tonic::transport::ClientTlsConfig::new().ca_certificate(tls.ca.clone()).domain_name(host);
+                endpoint = endpoint.tls_config(config).with_context(|| format!("TLS settings for {host_port}"))?;
+            }
             endpoint.connect().await.with_context(|| format!("cannot connect to {host_port}"))
         }
         Address::Unix(path) => {

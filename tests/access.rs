@@ -227,3 +227,82 @@ fn generate(address: &str, ids: &[u32]) -> (String, bool) {
         .unwrap();
     (String::from_utf8_lossy(&output.stdout).into_owned(), output.status.success())
 }
+
+fn free_tcp_address() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("localhost:{}", listener.local_addr().unwrap().port())
+}
+
+/// TLS between coordinator and a rank over TCP, and on the public port: clients that trust the
+/// certificate are served; plaintext clients are not.
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_between_coordinator_and_ranks_and_on_the_public_port() {
+    let dir = tempfile::tempdir().unwrap();
+    // A CA, and a server certificate for localhost signed by it (webpki refuses a CA
+    // certificate used as the server's own).
+    let path = |name: &str| dir.path().join(name).display().to_string();
+    let (ca, cert, key) = (dir.path().join("ca.pem"), dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    let openssl = |args: &[&str]| {
+        let status = std::process::Command::new("openssl").args(args).stderr(Stdio::null()).status().expect("openssl runs");
+        assert!(status.success(), "openssl {args:?}");
+    };
+    openssl(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=tpserve test CA",
+        "-keyout", &path("ca-key.pem"), "-out", &path("ca.pem")]);
+    openssl(&["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", &path("key.pem"), "-out", &path("cert.csr")]);
+    std::fs::write(dir.path().join("san.ext"), "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n").unwrap();
+    openssl(&["x509", "-req", "-in", &path("cert.csr"), "-CA", &path("ca.pem"), "-CAkey", &path("ca-key.pem"),
+        "-CAcreateserial", "-days", "1", "-extfile", &path("san.ext"), "-out", &path("cert.pem")]);
+    let rank_address = free_tcp_address();
+    let api = free_tcp_address();
+    let mut rank = common::tpserve()
+        .args(["rank", "--listen", &rank_address, "--threads", "1", "--rendezvous", "127.0.0.1:0", "--advertise-host", "127.0.0.1"])
+        .arg("--tls-cert")
+        .arg(&cert)
+        .arg("--tls-key")
+        .arg(&key)
+        .env("TPSERVE_CLUSTER_TOKEN", "tls-cluster")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut coordinator = common::tpserve()
+        .args(["coordinator", "--rank", &rank_address, "--listen", &api, "--model"])
+        .arg(common::fixture("qwen3_a"))
+        .arg("--rank-tls-ca")
+        .arg(&ca)
+        .arg("--tls-cert")
+        .arg(&cert)
+        .arg("--tls-key")
+        .arg(&key)
+        .env("TPSERVE_CLUSTER_TOKEN", "tls-cluster")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let health = |tls: bool| {
+        let mut command = common::tpserve();
+        command.args(["health", "--server", &api]);
+        if tls {
+            command.arg("--tls-ca").arg(&ca);
+        }
+        command.stdout(Stdio::null()).stderr(Stdio::null()).status().unwrap().success()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !health(true) {
+        assert!(std::time::Instant::now() < deadline, "TLS server did not become SERVING");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!health(false), "a plaintext client must not be served by a TLS port");
+    let prompt = &common::expected("qwen3_a")[0];
+    let output = common::tpserve()
+        .args(["generate", "--server", &api, "--json", "--ignore-eos", "--temperature", "0", "--max-tokens", "16"])
+        .args(["--prompt-ids", &common::ids_arg(&prompt.ids)])
+        .arg("--tls-ca")
+        .arg(&ca)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(common::parse_json_stream(&String::from_utf8_lossy(&output.stdout)).0, prompt.greedy_new_ids);
+    common::terminate(&mut coordinator);
+    common::terminate(&mut rank);
+}

@@ -373,6 +373,8 @@ fn hub_layout_matches_reference() {
     }
 }
 
+const ADMIN_TOKEN: &str = "qwen3_5-admin";
+
 /// Loads `path` as `model_id` into a running server through the Admin API.
 fn admin_load(address: &str, model_id: &str, path: &Path) {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -380,11 +382,13 @@ fn admin_load(address: &str, model_id: &str, path: &Path) {
         let address: tpserve::net::Address = address.parse().unwrap();
         let channel = tpserve::net::connect(&address, Duration::from_secs(10)).await.unwrap();
         let mut admin = tpserve::proto::v1::admin_client::AdminClient::new(channel);
-        let request = tpserve::proto::v1::LoadModelRequest {
+        let mut request = tonic::Request::new(tpserve::proto::v1::LoadModelRequest {
             model_id: model_id.to_owned(),
             path: path.display().to_string(),
             dtype: String::new(),
-        };
+        });
+        let bearer = format!("Bearer {ADMIN_TOKEN}").parse().unwrap();
+        request.metadata_mut().insert("authorization", bearer);
         admin.load_model(request).await.unwrap_or_else(|status| panic!("loading {model_id}: {status}"));
     });
 }
@@ -405,7 +409,12 @@ fn greedy_ids_through_serve_and_generate_equal_reference() {
         models.push((format!("{name}_hub"), dir.display().to_string()));
     }
     for tp in [1, 2, 4] {
-        let server = common::Served::start_with(FIXTURES[0], tp, &["--prefill-chunk", "64"]);
+        let server = common::Served::start_with_env(
+            FIXTURES[0],
+            tp,
+            &["--prefill-chunk", "64"],
+            &[("TPSERVE_ADMIN_TOKEN", ADMIN_TOKEN)],
+        );
         for (id, path) in &models[1..] {
             admin_load(&server.address, id, Path::new(path));
         }

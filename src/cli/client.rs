@@ -44,6 +44,9 @@ pub struct GenerationArgs {
     /// File holding the server's API token (else $TPSERVE_API_TOKEN)
     #[arg(long)]
     pub token_file: Option<std::path::PathBuf>,
+    /// PEM CA (or self-signed certificate) to verify a TLS server
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl GenerationArgs {
@@ -97,17 +100,22 @@ pub struct HealthArgs {
     /// Service to check ("" is the whole server)
     #[arg(long, default_value = "")]
     pub service: String,
+    /// PEM CA (or self-signed certificate) to verify a TLS server
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
-async fn channel(server: &Address) -> Result<Channel> {
-    net::connect(server, Duration::from_secs(10)).await
+async fn channel(server: &Address, tls_ca: Option<&std::path::Path>) -> Result<Channel> {
+    let tls = tls_ca.map(net::ClientTls::from_ca_file).transpose()?;
+    net::connect_with(server, Duration::from_secs(10), tls.as_ref()).await
 }
 
 type Client = GeneratorClient<tonic::service::interceptor::InterceptedService<Channel, AttachToken>>;
 
 async fn generator(server: &Address, args: &GenerationArgs) -> Result<Client> {
     let token = load_token(args.token_file.as_deref(), API_TOKEN_ENV)?;
-    Ok(GeneratorClient::with_interceptor(channel(server).await?, AttachToken::bearer(token.as_ref())?))
+    let channel = channel(server, args.tls_ca.as_deref()).await?;
+    Ok(GeneratorClient::with_interceptor(channel, AttachToken::bearer(token.as_ref())?))
 }
 
 pub async fn generate(args: GenerateArgs) -> Result<ExitCode> {
@@ -222,7 +230,7 @@ pub fn finish_reason_name(reason: pb::FinishReason) -> &'static str {
 pub async fn health(args: HealthArgs) -> Result<ExitCode> {
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus};
-    let channel = match channel(&args.server).await {
+    let channel = match channel(&args.server, args.tls_ca.as_deref()).await {
         Ok(channel) => channel,
         Err(err) => {
             println!("UNREACHABLE");

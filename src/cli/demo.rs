@@ -46,7 +46,7 @@ pub async fn run() -> Result<ExitCode> {
         shutdown_grace_secs: 5,
     };
     let ranks = RankSettings { log_filter: Some("error".to_owned()), ..RankSettings::default() };
-    let cluster = LocalCluster::start(&model_dir, TP, "f32", ranks, &scheduler, Tokens::default(), listen.clone()).await?;
+    let cluster = LocalCluster::start(&model_dir, TP, "f32", ranks, &scheduler, Tokens::default(), None, listen.clone()).await?;
     let outcome = generate_once(&listen).await;
     cluster.shutdown().await?;
     let summary = outcome?;

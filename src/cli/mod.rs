@@ -78,6 +78,28 @@ pub struct RankArgs {
     /// File holding the cluster token every rank RPC must carry (else $TPSERVE_CLUSTER_TOKEN)
     #[arg(long)]
     pub cluster_token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub tls: ServerTlsArgs,
+}
+
+/// TLS identity of a server (both files, or neither for plaintext).
+#[derive(Args, Debug, Clone, Default)]
+pub struct ServerTlsArgs {
+    /// PEM certificate chain to serve TLS with (TCP addresses)
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for --tls-cert
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl ServerTlsArgs {
+    pub fn config(&self) -> Result<Option<tonic::transport::ServerTlsConfig>> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Ok(Some(crate::net::server_tls(cert, key)?)),
+            _ => Ok(None),
+        }
+    }
 }
 
 /// Tokens of a server that faces clients.
@@ -131,6 +153,11 @@ pub struct CoordinatorArgs {
     pub cluster_token_file: Option<PathBuf>,
     #[command(flatten)]
     pub tokens: TokenArgs,
+    #[command(flatten)]
+    pub tls: ServerTlsArgs,
+    /// PEM CA (or self-signed certificate) to verify ranks given as host:port over TLS
+    #[arg(long)]
+    pub rank_tls_ca: Option<PathBuf>,
 }
 
 /// Scheduling and admission.
@@ -208,6 +235,9 @@ pub struct ServeArgs {
     pub scheduler: SchedulerArgs,
     #[command(flatten)]
     pub tokens: TokenArgs,
+    /// TLS identity of the public port
+    #[command(flatten)]
+    pub tls: ServerTlsArgs,
 }
 
 impl CoordinatorArgs {
@@ -225,6 +255,8 @@ impl CoordinatorArgs {
             recovery_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(self.scheduler.shutdown_grace_secs),
             tokens: self.tokens.tokens(load_token(self.cluster_token_file.as_deref(), CLUSTER_TOKEN_ENV)?)?,
+            tls: self.tls.config()?,
+            rank_tls: self.rank_tls_ca.as_deref().map(crate::net::ClientTls::from_ca_file).transpose()?,
         })
     }
 }

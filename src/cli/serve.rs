@@ -37,6 +37,7 @@ pub async fn run_rank(args: RankArgs) -> Result<()> {
         collective_timeout: Duration::from_secs(args.collective_timeout_secs),
         kv_cache_bytes: args.kv_cache_gib.map(|gib| (gib * (1u64 << 30) as f64) as u64),
         cluster_token: load_token(args.cluster_token_file.as_deref(), CLUSTER_TOKEN_ENV)?,
+        tls: args.tls.config()?,
     })
     .await
 }
@@ -80,8 +81,9 @@ fn local_hostname() -> Option<String> {
 pub async fn run_serve(args: ServeArgs) -> Result<()> {
     let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None };
     let tokens = args.tokens.tokens(None)?;
+    let tls = args.tls.config()?;
     let cluster =
-        LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, tokens, args.listen.clone()).await?;
+        LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, tokens, tls, args.listen.clone()).await?;
     super::termination_signal().await;
     tracing::info!("stopping");
     cluster.shutdown().await
@@ -121,6 +123,7 @@ impl LocalCluster {
         settings: RankSettings,
         scheduler: &SchedulerArgs,
         mut tokens: Tokens,
+        tls: Option<tonic::transport::ServerTlsConfig>,
         listen: Address,
     ) -> Result<Self> {
         // This process starts both sides, so it can make up the cluster token itself; the
@@ -172,6 +175,9 @@ impl LocalCluster {
             recovery_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(scheduler.shutdown_grace_secs),
             tokens,
+            tls,
+            // The ranks are on private Unix sockets.
+            rank_tls: None,
         };
         let stop_coordinator = Arc::new(tokio::sync::Notify::new());
         let stop = stop_coordinator.clone();

@@ -52,6 +52,10 @@ pub struct CoordinatorOptions {
     /// on SIGTERM, how long in-flight requests may run before the server stops anyway
     pub shutdown_grace: Duration,
     pub tokens: Tokens,
+    /// TLS identity of the public port
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// trust for TLS connections to ranks given by host:port
+    pub rank_tls: Option<crate::net::ClientTls>,
 }
 
 /// The shared secrets a coordinator uses (see `crate::auth`).
@@ -413,6 +417,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
         coordinator_receiver,
         options.limits.clone(),
         options.tokens.clone(),
+        options.tls.clone(),
         listener.into_incoming(),
         async move {
             let _ = server_stopped.await;
@@ -420,7 +425,9 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     ));
 
     let startup = async {
-        let ranks = RankSet::connect(&options.ranks, options.rank_patience, options.tokens.cluster.as_ref()).await?;
+        let ranks =
+            RankSet::connect(&options.ranks, options.rank_patience, options.tokens.cluster.as_ref(), options.rank_tls.as_ref())
+                .await?;
         let supervisor = Arc::new(Supervisor {
             ranks,
             epoch: AtomicU64::new(0),

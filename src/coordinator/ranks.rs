@@ -10,7 +10,7 @@ use tonic::transport::Channel;
 use tonic::service::interceptor::InterceptedService;
 
 use crate::auth::{AttachToken, Secret};
-use crate::net::{self, Address};
+use crate::net::{self, Address, ClientTls};
 use crate::proto::RANK_PROTOCOL_VERSION;
 use crate::proto::rank::v1 as pb;
 use crate::proto::rank::v1::rank_client::RankClient;
@@ -29,9 +29,14 @@ pub struct RankSet {
 impl RankSet {
     /// Connects to every rank, retrying with exponential backoff until `patience` runs out,
     /// then checks each speaks our protocol version.
-    pub async fn connect(addresses: &[Address], patience: Duration, cluster_token: Option<&Secret>) -> Result<Self> {
+    pub async fn connect(
+        addresses: &[Address],
+        patience: Duration,
+        cluster_token: Option<&Secret>,
+        tls: Option<&ClientTls>,
+    ) -> Result<Self> {
         let token = AttachToken::cluster(cluster_token)?;
-        let clients = try_join_all(addresses.iter().map(|a| connect_one(a, patience, token.clone()))).await?;
+        let clients = try_join_all(addresses.iter().map(|a| connect_one(a, patience, token.clone(), tls))).await?;
         let set = Self { addresses: addresses.to_vec(), clients };
         let infos = set.info().await?;
         for (address, info) in addresses.iter().zip(&infos) {
@@ -216,12 +221,12 @@ impl std::fmt::Display for RankFailure {
 
 impl std::error::Error for RankFailure {}
 
-async fn connect_one(address: &Address, patience: Duration, token: AttachToken) -> Result<Client> {
+async fn connect_one(address: &Address, patience: Duration, token: AttachToken, tls: Option<&ClientTls>) -> Result<Client> {
     let started = Instant::now();
     let mut delay = Duration::from_millis(50);
     let mut announced = false;
     loop {
-        match net::connect(address, Duration::from_secs(5)).await {
+        match net::connect_with(address, Duration::from_secs(5), tls).await {
             Ok(channel) => {
                 return Ok(RankClient::with_interceptor(channel, token)
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)

@@ -47,6 +47,7 @@ pub async fn serve(
     coordinator: CoordinatorCell,
     limits: RpcLimits,
     tokens: super::Tokens,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     incoming: crate::net::Incoming,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
@@ -60,7 +61,11 @@ pub async fn serve(
         .concurrency_limit(limits.max_concurrent_rpcs)
         .timeout(limits.request_timeout)
         .into_inner();
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    builder
         .layer(layers)
         .add_service(health)
         .add_service(reflection_v1)

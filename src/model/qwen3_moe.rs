@@ -79,3 +79,32 @@ pub fn load(loader: &ShardLoader, group: &TpGroup, config: &ModelConfig) -> Resu
         .collect::<Result<Vec<_>>>()?;
     decoder::Model::assemble(loader, &model, group, config, layers, NormWeight::Plain, config.head_dim)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sparse_layers_follow_mlp_only_layers_and_decoder_sparse_step() {
+        let config = |extra: &str| {
+            ModelConfig::from_json_str(&format!(
+                r#"{{"model_type":"qwen3_moe","vocab_size":64,"hidden_size":32,"intermediate_size":64,
+                "num_hidden_layers":6,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":8,
+                "num_local_experts":4,"num_experts_per_tok":2,"moe_intermediate_size":16{extra}}}"#
+            ))
+            .unwrap()
+        };
+        let sparse = |extra: &str| {
+            let layers = SparseLayers::parse(&config(extra)).unwrap();
+            (0..6).filter(|&i| layers.is_sparse(i)).collect::<Vec<_>>()
+        };
+        assert_eq!(sparse(""), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(sparse(r#","mlp_only_layers":[1,4]"#), [0, 2, 3, 5]);
+        assert_eq!(sparse(r#","decoder_sparse_step":2"#), [1, 3, 5]);
+        assert_eq!(sparse(r#","decoder_sparse_step":2,"mlp_only_layers":[3]"#), [1, 5]);
+        let err = SparseLayers::parse(&config(r#","mlp_only_layers":[6]"#)).err().unwrap();
+        assert!(err.to_string().contains("mlp_only_layers"), "{err}");
+        let moe = MoeConfig::qwen3_moe(&config("").text_config).unwrap();
+        assert_eq!((moe.num_experts, moe.top_k, moe.norm_topk_prob), (4, 2, false));
+    }
+}

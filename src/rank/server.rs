@@ -34,6 +34,8 @@ pub struct RankOptions {
     pub kv_cache_bytes: Option<u64>,
     /// required on every rank RPC when set
     pub cluster_token: Option<crate::auth::Secret>,
+    /// serve over TLS with this identity
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 pub struct RankService {
@@ -276,7 +278,11 @@ pub async fn run(options: RankOptions) -> anyhow::Result<()> {
     }
     let listener = Listener::bind(&options.listen).await?;
     tracing::info!(listen = %listener.local_address()?, device = %options.device_name, "rank serving");
-    let router = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = options.tls.clone() {
+        builder = builder.tls_config(tls)?;
+    }
+    let router = builder
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)

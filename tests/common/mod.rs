@@ -72,6 +72,11 @@ impl Served {
     }
 
     pub fn start_with(model: &str, tp: usize, extra: &[&str]) -> Self {
+        Self::start_with_env(model, tp, extra, &[])
+    }
+
+    /// Like [`Served::start_with`], with extra environment for the server (e.g. an admin token).
+    pub fn start_with_env(model: &str, tp: usize, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let address = format!("unix://{}", dir.path().join("api.sock").display());
         let child = tpserve()
@@ -79,6 +84,7 @@ impl Served {
             .arg(fixture(model))
             .args(["--tp", &tp.to_string(), "--listen", &address])
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
