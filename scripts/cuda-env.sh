@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced (not run) by scripts/check-cuda.sh and scripts/build-cuda.sh: prepares a CUDA 13.4
 # toolchain for building tpserve's `cuda` feature on a machine with no GPU and no CUDA install.
 #

@@ -139,7 +139,8 @@ else
     fi
     [[ -n "$NVCC" ]] || die "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
     export CUDA_HOME="${CUDA_HOME:-$(cd "$(dirname "$NVCC")/.." && pwd)}"
-    export CUDA_ROOT="$CUDA_HOME" CUDA_PATH="$CUDA_HOME" PATH="$(dirname "$NVCC"):$PATH"
+    PATH="$(dirname "$NVCC"):$PATH"
+    export CUDA_ROOT="$CUDA_HOME" CUDA_PATH="$CUDA_HOME" PATH
     export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-$COMPUTE_CAP}"
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$REPO/target/gpu-release}"
     say "nvcc: $NVCC ($("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p')), compute capability $CUDA_COMPUTE_CAP"

@@ -217,6 +217,7 @@ impl Supervisor {
         }
         tracing::warn!(%reason, "rank group lost; recovering");
         self.set_group_ok(false).await;
+        self.ranks.abort_comm(self.epoch()).await;
         let deadline = tokio::time::Instant::now() + self.recovery_timeout;
         let mut delay = Duration::from_millis(200);
         let mut attempt = 0u32;

@@ -194,6 +194,19 @@ impl RankSet {
         Ok(())
     }
 
+    /// Aborts `epoch`'s communicator on every rank that answers within a second, so steps
+    /// blocked on a lost peer fail now rather than at the collective timeout.
+    pub async fn abort_comm(&self, epoch: u64) {
+        let calls = self.clients.iter().map(|client| {
+            let mut client = client.clone();
+            async move {
+                let request = pb::AbortCommRequest { epoch };
+                let _ = tokio::time::timeout(Duration::from_secs(1), client.abort_comm(request)).await;
+            }
+        });
+        futures::future::join_all(calls).await;
+    }
+
     /// Asks every rank to exit; ranks that are already gone are ignored.
     pub async fn shutdown(&self) {
         let calls = self.clients.iter().map(|client| {

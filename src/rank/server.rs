@@ -180,6 +180,20 @@ impl Rank for RankService {
         Ok(Response::new(response))
     }
 
+    async fn abort_comm(&self, request: Request<pb::AbortCommRequest>) -> Result<Response<pb::AbortCommResponse>, Status> {
+        let epoch = request.get_ref().epoch;
+        let live = {
+            let shared = self.shared();
+            if shared.epoch == epoch { shared.communicator.clone() } else { None }
+        };
+        let aborted = live.is_some();
+        if let Some(communicator) = live {
+            tracing::warn!(epoch, "aborting the communicator at the coordinator's request");
+            communicator.abort();
+        }
+        Ok(Response::new(pb::AbortCommResponse { aborted }))
+    }
+
     async fn clear_kv(&self, request: Request<pb::ClearKvRequest>) -> Result<Response<pb::ClearKvResponse>, Status> {
         let request = request.into_inner();
         Ok(Response::new(self.call(|reply| Command::ClearKv { request, reply }).await?))
