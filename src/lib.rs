@@ -5,12 +5,14 @@
 //! - [`comm`]: collectives between ranks (sockets on CPU, NCCL on GPU).
 //! - [`model`]: configs, checkpoint loading, parallel layers, model families.
 //! - [`proto`]: the generated protocol code; [`net`]: addresses and transports.
+//! - [`auth`]: tokens; [`metrics`]: Prometheus metrics.
 //! - [`cli`]: the `tpserve` command line.
 
 pub mod auth;
 pub mod cli;
 pub mod comm;
 pub mod coordinator;
+pub mod metrics;
 pub mod model;
 pub mod net;
 pub mod proto;

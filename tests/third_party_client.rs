@@ -7,43 +7,9 @@ mod common;
 
 use std::process::{Command, Stdio};
 
-/// The packages the probe needs, pinned; .ci/run installs the same.
-const PYTHON_PACKAGES: [&str; 3] = ["grpcio==1.85.*", "grpcio-health-checking==1.85.*", "grpcio-reflection==1.85.*"];
-
-/// A Python that has grpcio: the system one if it already does, else a virtual environment under
-/// target/ that this test creates once (so `cargo test` works on a fresh machine too).
-fn python() -> &'static str {
-    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    PYTHON.get_or_init(|| {
-        let has_grpc = |python: &str| {
-            Command::new(python)
-                .args(["-c", "import grpc, grpc_health.v1, grpc_reflection.v1alpha"])
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        if has_grpc("python3") {
-            return "python3".to_owned();
-        }
-        let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/target/grpc-client-venv");
-        let python = format!("{venv}/bin/python");
-        if !has_grpc(&python) {
-            let created = Command::new("python3").args(["-m", "venv", venv]).status().expect("python3 runs");
-            assert!(created.success(), "cannot create {venv}");
-            let installed = Command::new(&python)
-                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-                .args(PYTHON_PACKAGES)
-                .status()
-                .expect("pip runs");
-            assert!(installed.success(), "cannot install {PYTHON_PACKAGES:?} from PyPI");
-        }
-        python
-    })
-}
-
 fn probe(target: &str, args: &[&str]) -> String {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/clients/grpc_probe.py");
-    let output = Command::new(python()).arg(script).arg(target).args(args).output().expect("python runs");
+    let output = Command::new(common::python()).arg(script).arg(target).args(args).output().expect("python runs");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),

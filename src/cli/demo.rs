@@ -8,8 +8,7 @@ use anyhow::{Context, Result};
 
 use super::SchedulerArgs;
 use super::client::{consume_stream, wait_until_serving};
-use super::serve::{LocalCluster, RankSettings};
-use crate::coordinator::Tokens;
+use super::serve::{LocalCluster, RankSettings, ServerSettings};
 use crate::net::{self, Address};
 use crate::proto::v1 as pb;
 use crate::proto::v1::generator_client::GeneratorClient;
@@ -46,7 +45,7 @@ pub async fn run() -> Result<ExitCode> {
         shutdown_grace_secs: 5,
     };
     let ranks = RankSettings { log_filter: Some("error".to_owned()), ..RankSettings::default() };
-    let cluster = LocalCluster::start(&model_dir, TP, "f32", ranks, &scheduler, Tokens::default(), None, listen.clone()).await?;
+    let cluster = LocalCluster::start(&model_dir, TP, "f32", ranks, &scheduler, ServerSettings::default(), listen.clone()).await?;
     let outcome = generate_once(&listen).await;
     cluster.shutdown().await?;
     let summary = outcome?;

@@ -80,6 +80,9 @@ pub struct RankArgs {
     pub cluster_token_file: Option<PathBuf>,
     #[command(flatten)]
     pub tls: ServerTlsArgs,
+    /// host:port to serve Prometheus metrics (step and collective time) on, at /metrics
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 /// TLS identity of a server (both files, or neither for plaintext).
@@ -158,6 +161,9 @@ pub struct CoordinatorArgs {
     /// PEM CA (or self-signed certificate) to verify ranks given as host:port over TLS
     #[arg(long)]
     pub rank_tls_ca: Option<PathBuf>,
+    /// host:port to serve Prometheus metrics on, at /metrics
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 /// Scheduling and admission.
@@ -238,6 +244,9 @@ pub struct ServeArgs {
     /// TLS identity of the public port
     #[command(flatten)]
     pub tls: ServerTlsArgs,
+    /// host:port to serve the coordinator's Prometheus metrics on, at /metrics
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 impl CoordinatorArgs {
@@ -257,6 +266,7 @@ impl CoordinatorArgs {
             tokens: self.tokens.tokens(load_token(self.cluster_token_file.as_deref(), CLUSTER_TOKEN_ENV)?)?,
             tls: self.tls.config()?,
             rank_tls: self.rank_tls_ca.as_deref().map(crate::net::ClientTls::from_ca_file).transpose()?,
+            metrics_listen: self.metrics_listen.clone(),
         })
     }
 }

@@ -38,6 +38,7 @@ pub async fn run_rank(args: RankArgs) -> Result<()> {
         kv_cache_bytes: args.kv_cache_gib.map(|gib| (gib * (1u64 << 30) as f64) as u64),
         cluster_token: load_token(args.cluster_token_file.as_deref(), CLUSTER_TOKEN_ENV)?,
         tls: args.tls.config()?,
+        metrics_listen: args.metrics_listen,
     })
     .await
 }
@@ -81,9 +82,8 @@ fn local_hostname() -> Option<String> {
 pub async fn run_serve(args: ServeArgs) -> Result<()> {
     let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None };
     let tokens = args.tokens.tokens(None)?;
-    let tls = args.tls.config()?;
-    let cluster =
-        LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, tokens, tls, args.listen.clone()).await?;
+    let server = ServerSettings { tokens, tls: args.tls.config()?, metrics_listen: args.metrics_listen.clone() };
+    let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, server, args.listen.clone()).await?;
     super::termination_signal().await;
     tracing::info!("stopping");
     cluster.shutdown().await
@@ -97,6 +97,14 @@ pub struct RankSettings {
     pub kv_cache_gib: Option<f64>,
     /// RUST_LOG for the ranks (default: inherited)
     pub log_filter: Option<String>,
+}
+
+/// How `LocalCluster` serves its public API.
+#[derive(Debug, Clone, Default)]
+pub struct ServerSettings {
+    pub tokens: Tokens,
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
+    pub metrics_listen: Option<String>,
 }
 
 /// N rank processes spawned from this binary plus an in-process coordinator. Ranks that die
@@ -122,10 +130,10 @@ impl LocalCluster {
         dtype: &str,
         settings: RankSettings,
         scheduler: &SchedulerArgs,
-        mut tokens: Tokens,
-        tls: Option<tonic::transport::ServerTlsConfig>,
+        server: ServerSettings,
         listen: Address,
     ) -> Result<Self> {
+        let ServerSettings { mut tokens, tls, metrics_listen } = server;
         // This process starts both sides, so it can make up the cluster token itself; the
         // ranks get it through their environment, not their command line.
         let cluster_token = tokens.cluster.clone().unwrap_or_else(Secret::random);
@@ -178,6 +186,7 @@ impl LocalCluster {
             tls,
             // The ranks are on private Unix sockets.
             rank_tls: None,
+            metrics_listen,
         };
         let stop_coordinator = Arc::new(tokio::sync::Notify::new());
         let stop = stop_coordinator.clone();

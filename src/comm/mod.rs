@@ -8,6 +8,7 @@
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod socket;
+pub mod timed;
 
 use std::time::Duration;
 

@@ -23,6 +23,8 @@ pub type ResponseSender = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
 
 /// A validated request, ready to run.
 pub struct NewRequest {
+    /// when the service accepted it, for TTFT and end-to-end latency
+    pub arrived: Instant,
     pub prompt_ids: Vec<u32>,
     /// from the client's grpc-timeout: the stream ends with DEADLINE_EXCEEDED past it
     pub deadline: Option<Instant>,
@@ -106,6 +108,9 @@ impl ModelStats {
 
 struct Sequence {
     seq_id: u64,
+    arrived: Instant,
+    /// when the last token was streamed (None before the first)
+    last_token_at: Option<Instant>,
     deadline: Option<Instant>,
     /// KV tokens reserved for this sequence at admission
     reserved: usize,
@@ -217,8 +222,11 @@ impl Engine {
             if request.ignore_eos {
                 sampling.suppressed_token_ids = self.model.eos_token_ids.clone();
             }
+            self.model.metrics.prompt_tokens.fetch_add(request.prompt_ids.len() as u64, Ordering::Relaxed);
             self.running.push(Sequence {
                 seq_id,
+                arrived: request.arrived,
+                last_token_at: None,
                 deadline: request.deadline,
                 reserved: need,
                 resumes: 0,
@@ -251,6 +259,7 @@ impl Engine {
             std::mem::take(&mut self.waiting).into_iter().partition(|r| r.deadline.is_some_and(|d| d <= now));
         self.waiting = waiting;
         for request in expired {
+            self.model.metrics.failure("deadline");
             self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
             let status = Status::deadline_exceeded("the request's deadline passed while it waited for admission");
@@ -263,6 +272,7 @@ impl Engine {
         let Some(request) = self.waiting.pop_front() else { return };
         self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         let need = request.prompt_ids.len() + request.max_tokens;
+        self.model.metrics.failure("kv_capacity");
         let status = Status::resource_exhausted(format!(
             "the request needs {need} tokens of KV cache (prompt plus max_tokens) but the ranks hold {}; \
              lower max_tokens or shorten the prompt",
@@ -285,7 +295,9 @@ impl Engine {
         self.model.stats.requests_cancelled_total.fetch_add(ended.len() as u64, Ordering::Relaxed);
         tracing::info!(count = ended.len(), "clients went away or deadlines passed; freeing their sequences");
         for seq in &ended {
-            if seq.deadline.is_some_and(|d| d <= now) {
+            let expired = seq.deadline.is_some_and(|d| d <= now);
+            self.model.metrics.failure(if expired { "deadline" } else { "cancelled" });
+            if expired {
                 let _ = seq.responses.try_send(Err(Status::deadline_exceeded("the request's deadline passed")));
             }
         }
@@ -359,6 +371,7 @@ impl Engine {
             if !matches!(outcome, Finish::Running) {
                 if matches!(outcome, Finish::Cancelled) {
                     self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
+                    self.model.metrics.failure("cancelled");
                 }
                 finished.push(self.running.swap_remove(index));
             }
@@ -374,10 +387,18 @@ impl Engine {
     async fn accept_token(&mut self, index: usize, sampled: &rank_pb::SampledToken) -> Finish {
         let max_context = self.model.max_context;
         let eos = &self.model.eos_token_ids;
+        let metrics = self.model.metrics.clone();
         let seq = &mut self.running[index];
         seq.tokens.push(sampled.token_id);
+        metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        match seq.last_token_at {
+            None => metrics.time_to_first_token.observe(now - seq.arrived),
+            Some(last) => metrics.inter_token_latency.observe(now - last),
+        }
+        seq.last_token_at = Some(now);
         if !seq.ignore_eos && eos.contains(&sampled.token_id) {
-            return finish(seq, pb::FinishReason::Eos).await;
+            return finish(seq, pb::FinishReason::Eos, &metrics).await;
         }
         let delta = match seq.decoder.push(sampled.token_id) {
             Ok(delta) => delta,
@@ -403,13 +424,13 @@ impl Engine {
             return Finish::Cancelled;
         }
         if outcome.stopped {
-            return finish(seq, pb::FinishReason::StopSequence).await;
+            return finish(seq, pb::FinishReason::StopSequence, &metrics).await;
         }
         if seq.tokens.len() >= max_context {
-            return finish(seq, pb::FinishReason::ContextLength).await;
+            return finish(seq, pb::FinishReason::ContextLength, &metrics).await;
         }
         if seq.generated() >= seq.max_tokens {
-            return finish(seq, pb::FinishReason::Length).await;
+            return finish(seq, pb::FinishReason::Length, &metrics).await;
         }
         Finish::Running
     }
@@ -437,6 +458,7 @@ impl Engine {
                 "a rank failed ({failure}) and the ranks did not recover in time; retry later"
             ));
             for seq in self.running.drain(..) {
+                self.model.metrics.failure("rank_failure");
                 let _ = seq.responses.send(Err(status.clone())).await;
             }
             self.reserved = 0;
@@ -446,6 +468,7 @@ impl Engine {
         let (resumable, exhausted): (Vec<Sequence>, Vec<Sequence>) =
             std::mem::take(&mut self.running).into_iter().partition(|s| s.resumes < MAX_RESUMES);
         for seq in &exhausted {
+            self.model.metrics.failure("rank_failure");
             let status = Status::unavailable(format!(
                 "generation was interrupted by rank failures {MAX_RESUMES} times; giving up"
             ));
@@ -467,7 +490,7 @@ impl Engine {
 const MAX_RESUMES: u32 = 3;
 
 /// Sends the last message: whatever text was held back, the finish reason and usage.
-async fn finish(seq: &mut Sequence, reason: pb::FinishReason) -> Finish {
+async fn finish(seq: &mut Sequence, reason: pb::FinishReason, metrics: &crate::metrics::CoordinatorMetrics) -> Finish {
     let tail = seq.decoder.finish();
     let mut text = String::new();
     if !seq.stop.is_stopped() {
@@ -486,7 +509,10 @@ async fn finish(seq: &mut Sequence, reason: pb::FinishReason) -> Finish {
         usage: Some(pb::Usage { prompt_tokens: seq.prompt_len as u32, completion_tokens: seq.generated() as u32 }),
     };
     match seq.responses.send(Ok(message)).await {
-        Ok(()) => Finish::Done,
+        Ok(()) => {
+            metrics.e2e_request_latency.observe(seq.arrived.elapsed());
+            Finish::Done
+        }
         Err(_) => Finish::Cancelled,
     }
 }

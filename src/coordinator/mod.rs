@@ -20,6 +20,7 @@ use tokio::sync::{Mutex, RwLock, mpsc};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
+use crate::metrics::{CoordinatorMetrics, Occupancy};
 use crate::model::config::{ModelConfig, generation_eos_ids};
 use crate::net::{Address, Listener};
 use crate::proto::rank::v1 as rank_pb;
@@ -56,6 +57,8 @@ pub struct CoordinatorOptions {
     pub tls: Option<tonic::transport::ServerTlsConfig>,
     /// trust for TLS connections to ranks given by host:port
     pub rank_tls: Option<crate::net::ClientTls>,
+    /// host:port for Prometheus metrics
+    pub metrics_listen: Option<String>,
 }
 
 /// The shared secrets a coordinator uses (see `crate::auth`).
@@ -85,6 +88,8 @@ pub struct ModelHandle {
     /// most requests waiting for admission before new ones are refused
     pub max_waiting: usize,
     pub stats: Arc<ModelStats>,
+    /// the coordinator's Prometheus metrics, shared by every model
+    pub metrics: Arc<CoordinatorMetrics>,
     pub submit: mpsc::Sender<NewRequest>,
 }
 
@@ -291,6 +296,7 @@ pub struct Coordinator {
     pub models: RwLock<HashMap<String, Arc<ModelHandle>>>,
     pub default_model: RwLock<Option<String>>,
     pub scheduler: SchedulerConfig,
+    pub metrics: Arc<CoordinatorMetrics>,
 }
 
 impl Coordinator {
@@ -318,6 +324,7 @@ impl Coordinator {
             chat_template: local.chat_template,
             eos_token_ids: local.eos_token_ids,
             stats: Arc::new(ModelStats::default()),
+            metrics: self.metrics.clone(),
             submit,
         });
         let engine = Engine::new(handle.clone(), self.supervisor.clone(), self.scheduler.clone(), requests);
@@ -412,6 +419,16 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     tracing::info!(listen = %listener.local_address()?, ranks = options.ranks.len(), "coordinator listening");
 
     let (coordinator_sender, coordinator_receiver) = tokio::sync::watch::channel::<Option<Arc<Coordinator>>>(None);
+    let metrics = Arc::new(CoordinatorMetrics::new());
+    if let Some(address) = options.metrics_listen.clone() {
+        let (metrics, cell) = (metrics.clone(), coordinator_receiver.clone());
+        tokio::spawn(async move {
+            let render = move || metrics.render(&occupancy(&cell));
+            if let Err(err) = crate::metrics::serve(&address, render).await {
+                tracing::error!(error = %format!("{err:#}"), "metrics server stopped");
+            }
+        });
+    }
     let (stop_server, server_stopped) = tokio::sync::oneshot::channel::<()>();
     let mut server = tokio::spawn(service::serve(
         health_service,
@@ -447,6 +464,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
             models: RwLock::new(HashMap::new()),
             default_model: RwLock::new(None),
             scheduler: options.scheduler.clone(),
+            metrics: metrics.clone(),
         });
         let model_id = options.model_id.clone().unwrap_or_else(|| default_model_id(&options.model));
         coordinator.load_model(&model_id, &options.model, &options.dtype).await?;
@@ -484,6 +502,20 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     tracing::info!("shutting down the ranks");
     coordinator.supervisor.ranks.shutdown().await;
     Ok(())
+}
+
+/// Running, waiting and KV figures summed over the served models, for the metrics gauges.
+fn occupancy(cell: &tokio::sync::watch::Receiver<Option<Arc<Coordinator>>>) -> Occupancy {
+    let mut total = Occupancy::default();
+    let Some(coordinator) = cell.borrow().clone() else { return total };
+    let Ok(models) = coordinator.models.try_read() else { return total };
+    for model in models.values() {
+        total.running += model.stats.active_sequences.load(Ordering::Relaxed);
+        total.waiting += model.stats.waiting.load(Ordering::Relaxed);
+        total.kv_reserved_tokens += model.stats.kv_reserved_tokens.load(Ordering::Relaxed);
+        total.kv_capacity_tokens += model.kv_capacity_tokens as u64;
+    }
+    total
 }
 
 /// A model's id when none is given: its directory name.

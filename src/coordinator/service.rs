@@ -204,6 +204,21 @@ async fn start(
     params: pb::GenerationParams,
     deadline: Option<std::time::Instant>,
 ) -> Result<Response<ResponseStream>, Status> {
+    let result = validate_and_queue(model, prompt_ids, params, deadline).await;
+    if let Err(status) = &result {
+        if status.code() == tonic::Code::InvalidArgument || status.code() == tonic::Code::OutOfRange {
+            model.metrics.failure("invalid_request");
+        }
+    }
+    result
+}
+
+async fn validate_and_queue(
+    model: &Arc<ModelHandle>,
+    prompt_ids: Vec<u32>,
+    params: pb::GenerationParams,
+    deadline: Option<std::time::Instant>,
+) -> Result<Response<ResponseStream>, Status> {
     let vocab_size = model.config.vocab_size;
     if let Some(bad) = prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
         return Err(Status::invalid_argument(format!(
@@ -246,12 +261,14 @@ async fn start(
     let waiting = model.stats.waiting.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     if waiting >= model.max_waiting as u64 {
         model.stats.waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        model.metrics.failure("queue_full");
         return Err(Status::resource_exhausted(format!(
             "the server is at capacity: {waiting} requests are already waiting for model \"{}\"; retry later",
             model.id
         )));
     }
     let request = NewRequest {
+        arrived: std::time::Instant::now(),
         deadline,
         prompt_ids,
         sampling,

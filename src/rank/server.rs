@@ -36,6 +36,8 @@ pub struct RankOptions {
     pub cluster_token: Option<crate::auth::Secret>,
     /// serve over TLS with this identity
     pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// host:port to serve Prometheus metrics on
+    pub metrics_listen: Option<String>,
 }
 
 pub struct RankService {
@@ -263,9 +265,19 @@ fn checkpoint_bytes(path: &str) -> u64 {
 pub async fn run(options: RankOptions) -> anyhow::Result<()> {
     let options = Arc::new(options);
     let shared = Arc::new(Mutex::new(SharedState::default()));
+    let metrics = Arc::new(crate::metrics::RankMetrics::new());
+    if let Some(address) = options.metrics_listen.clone() {
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            if let Err(err) = crate::metrics::serve(&address, move || metrics.render()).await {
+                tracing::error!(error = %format!("{err:#}"), "metrics server stopped");
+            }
+        });
+    }
     let commands = worker::spawn(
         WorkerConfig {
             device: options.device.clone(),
+            metrics,
             default_init_timeout: options.init_timeout,
             collective_timeout: options.collective_timeout,
             kv_cache_bytes: options.kv_cache_bytes,

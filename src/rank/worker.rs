@@ -50,6 +50,7 @@ pub struct SharedState {
 
 pub struct WorkerConfig {
     pub device: Device,
+    pub metrics: Arc<crate::metrics::RankMetrics>,
     /// KV cache budget in bytes per loaded model; None: a share of the memory available after
     /// loading the weights
     pub kv_cache_bytes: Option<u64>,
@@ -201,6 +202,7 @@ impl Worker {
         };
         let started = Instant::now();
         let comm = self.join(&request, rendezvous, init_timeout)?;
+        let comm: Arc<dyn Collective> = Arc::new(crate::comm::timed::TimedCollective::new(comm, self.config.metrics.clone()));
         tracing::info!(rank, world_size, epoch = request.epoch, elapsed = ?started.elapsed(), "joined communicator");
         self.group = Some(TpGroup::new(comm.clone()));
         let mut shared = self.shared();
@@ -329,7 +331,11 @@ impl Worker {
             step: request.step,
             rank,
             tokens,
-            compute_micros: started.elapsed().as_micros() as u64,
+            compute_micros: {
+                let elapsed = started.elapsed();
+                self.config.metrics.step_duration.observe(elapsed);
+                elapsed.as_micros() as u64
+            },
         })
     }
 

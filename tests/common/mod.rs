@@ -241,3 +241,38 @@ impl<'a> ShardRun<'a> {
         serde_json::from_value(report["prompts"].clone()).unwrap()
     }
 }
+
+/// Python packages the third-party client tests use, pinned; .ci/run installs the same.
+pub const PYTHON_PACKAGES: [&str; 4] =
+    ["grpcio==1.85.*", "grpcio-health-checking==1.85.*", "grpcio-reflection==1.85.*", "prometheus-client==0.26.*"];
+
+/// A Python that has those packages: the system one if it already does, else a virtual
+/// environment under target/ that is created once (so `cargo test` works on a fresh machine too).
+pub fn python() -> &'static str {
+    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(|| {
+        let ready = |python: &str| {
+            Command::new(python)
+                .args(["-c", "import grpc, grpc_health.v1, grpc_reflection.v1alpha, prometheus_client"])
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if ready("python3") {
+            return "python3".to_owned();
+        }
+        let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-python-venv");
+        let python = format!("{venv}/bin/python");
+        if !ready(&python) {
+            let created = Command::new("python3").args(["-m", "venv", venv]).status().expect("python3 runs");
+            assert!(created.success(), "cannot create {venv}");
+            let installed = Command::new(&python)
+                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+                .args(PYTHON_PACKAGES)
+                .status()
+                .expect("pip runs");
+            assert!(installed.success(), "cannot install {PYTHON_PACKAGES:?} from PyPI");
+        }
+        python
+    })
+}
