@@ -1,6 +1,9 @@
 //! The coordinator's view of its ranks: connecting (patiently, since sidecars start in any
 //! order), the communicator bootstrap, and fanning every call out to all ranks at once.
 
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -112,8 +115,11 @@ impl RankSet {
 
     /// Loads a model on every rank, logging the slowest rank's progress.
     pub async fn load(&self, model_id: &str, path: &str, dtype: &str, epoch: u64) -> Result<pb::ShardInfo> {
+        let progress = Arc::new(LoadMeter::new(self.world_size()));
+        let reporter = tokio::spawn(progress.clone().report(path.to_owned()));
         let calls = self.clients.iter().enumerate().map(|(rank, client)| {
             let mut client = client.clone();
+            let progress = progress.clone();
             let request = pb::LoadShardRequest {
                 model_id: model_id.to_owned(),
                 model_path: path.to_owned(),
@@ -126,25 +132,19 @@ impl RankSet {
                     .await
                     .map_err(|s| anyhow::anyhow!("rank {rank}: {}", s.message()))?
                     .into_inner();
-                let mut last_log = Instant::now();
                 while let Some(message) = stream.message().await.map_err(|s| anyhow::anyhow!("rank {rank}: {}", s.message()))? {
+                    progress.update(rank, &message);
                     if message.done {
                         return message.shard.with_context(|| format!("rank {rank} finished loading without shard info"));
-                    }
-                    if rank == 0 && last_log.elapsed() > Duration::from_secs(2) {
-                        last_log = Instant::now();
-                        tracing::info!(
-                            loaded_mib = message.bytes_loaded >> 20,
-                            checkpoint_mib = message.bytes_total >> 20,
-                            tensors = message.tensors_loaded,
-                            "loading shards"
-                        );
                     }
                 }
                 bail!("rank {rank} closed the load stream before finishing")
             }
         });
-        let infos = try_join_all(calls).await.with_context(|| format!("loading {path}"))?;
+        let result = try_join_all(calls).await;
+        reporter.abort();
+        progress.finish(result.is_ok());
+        let infos = result.with_context(|| format!("loading {path}"))?;
         // The group can only hold what its smallest rank can.
         let capacity = infos.iter().map(|i| i.kv_capacity_tokens).min().unwrap_or(0);
         let mut first = infos.into_iter().next().context("no ranks")?;
@@ -216,6 +216,75 @@ impl RankSet {
             }
         });
         futures::future::join_all(calls).await;
+    }
+}
+
+/// Load progress over all ranks: a progress bar (bytes, rate, ETA) on a terminal, periodic log
+/// lines otherwise.
+struct LoadMeter {
+    started: Instant,
+    bytes: Vec<AtomicU64>,
+    /// the checkpoint's size on disk; together the ranks read about that much
+    total: AtomicU64,
+    terminal: bool,
+}
+
+impl LoadMeter {
+    fn new(ranks: usize) -> Self {
+        Self {
+            started: Instant::now(),
+            bytes: (0..ranks).map(|_| AtomicU64::new(0)).collect(),
+            total: AtomicU64::new(0),
+            terminal: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn update(&self, rank: usize, message: &pb::LoadShardProgress) {
+        if let Some(slot) = self.bytes.get(rank) {
+            slot.store(message.bytes_loaded, Ordering::Relaxed);
+        }
+        self.total.fetch_max(message.bytes_total, Ordering::Relaxed);
+    }
+
+    /// (loaded bytes, total bytes, bytes per second, seconds left)
+    fn snapshot(&self) -> (u64, u64, f64, Option<f64>) {
+        let loaded: u64 = self.bytes.iter().map(|b| b.load(Ordering::Relaxed)).sum();
+        let total = self.total.load(Ordering::Relaxed).max(loaded);
+        let rate = loaded as f64 / self.started.elapsed().as_secs_f64().max(1e-3);
+        let eta = (rate > 0.0 && total > 0).then(|| (total - loaded) as f64 / rate);
+        (loaded, total, rate, eta)
+    }
+
+    async fn report(self: Arc<Self>, path: String) {
+        let period = if self.terminal { Duration::from_millis(200) } else { Duration::from_secs(2) };
+        loop {
+            tokio::time::sleep(period).await;
+            let (loaded, total, rate, eta) = self.snapshot();
+            let eta = eta.map_or("?".to_owned(), |s| format!("{s:.0}s"));
+            if self.terminal {
+                let fraction = if total == 0 { 0.0 } else { loaded as f64 / total as f64 };
+                let filled = (fraction * 30.0) as usize;
+                eprint!(
+                    "\rloading {path} [{}{}] {:>5.1}% {} / {} MiB, {:.0} MiB/s, ETA {eta}   ",
+                    "#".repeat(filled),
+                    " ".repeat(30 - filled.min(30)),
+                    fraction * 100.0,
+                    loaded >> 20,
+                    total >> 20,
+                    rate / (1u64 << 20) as f64
+                );
+            } else {
+                tracing::info!(loaded_mib = loaded >> 20, checkpoint_mib = total >> 20, mib_per_s = rate as u64 >> 20, %eta, "loading shards");
+            }
+        }
+    }
+
+    fn finish(&self, ok: bool) {
+        if self.terminal && self.started.elapsed() > Duration::from_millis(200) {
+            let (loaded, _, rate, _) = self.snapshot();
+            let outcome = if ok { "loaded" } else { "failed after" };
+            eprintln!("\r{outcome} {} MiB in {:.1} s ({:.0} MiB/s){}", loaded >> 20, self.started.elapsed().as_secs_f64(), rate / (1u64 << 20) as f64, " ".repeat(30));
+        }
     }
 }
 
