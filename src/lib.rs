@@ -17,3 +17,4 @@ pub mod model;
 pub mod net;
 pub mod proto;
 pub mod rank;
+pub mod telemetry;

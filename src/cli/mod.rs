@@ -24,6 +24,9 @@ pub struct Cli {
     /// Log format for servers: text or json
     #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+    /// Export traces over OTLP/gRPC to this endpoint (else $OTEL_EXPORTER_OTLP_ENDPOINT)
+    #[arg(long, global = true)]
+    pub otlp_endpoint: Option<String>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -294,12 +297,9 @@ pub async fn termination_signal() {
     }
 }
 
-/// Logs to stderr, as text or JSON, filtered by RUST_LOG (default info).
+/// Logs to stderr, as text or JSON, filtered by RUST_LOG (default info); no trace export.
 pub fn init_logging(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if format == "json" { builder.json().try_init() } else { builder.try_init() };
+    let _ = crate::telemetry::init(format, "tpserve", None);
 }
 
 /// The cores this process may use.
@@ -310,21 +310,25 @@ pub fn available_cores() -> usize {
 /// Runs a parsed command line and returns the process exit code.
 pub async fn run(cli: Cli) -> Result<std::process::ExitCode> {
     use std::process::ExitCode;
+    let otlp = cli.otlp_endpoint.as_deref();
     match cli.command {
         Command::Rank(args) => {
-            init_logging(&cli.log_format);
-            serve::run_rank(args).await?;
-            Ok(ExitCode::SUCCESS)
+            let telemetry = crate::telemetry::init(&cli.log_format, "tpserve-rank", otlp)?;
+            let result = serve::run_rank(args).await;
+            telemetry.shutdown();
+            result.map(|()| ExitCode::SUCCESS)
         }
         Command::Coordinator(args) => {
-            init_logging(&cli.log_format);
-            crate::coordinator::run(args.options()?).await?;
-            Ok(ExitCode::SUCCESS)
+            let telemetry = crate::telemetry::init(&cli.log_format, "tpserve-coordinator", otlp)?;
+            let result = crate::coordinator::run(args.options()?).await;
+            telemetry.shutdown();
+            result.map(|()| ExitCode::SUCCESS)
         }
         Command::Serve(args) => {
-            init_logging(&cli.log_format);
-            serve::run_serve(args).await?;
-            Ok(ExitCode::SUCCESS)
+            let telemetry = crate::telemetry::init(&cli.log_format, "tpserve-coordinator", otlp)?;
+            let result = serve::run_serve(args, otlp.map(str::to_owned)).await;
+            telemetry.shutdown();
+            result.map(|()| ExitCode::SUCCESS)
         }
         Command::Generate(args) => client::generate(args).await,
         Command::Chat(args) => client::chat(args).await,

@@ -79,8 +79,8 @@ fn local_hostname() -> Option<String> {
     std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty())
 }
 
-pub async fn run_serve(args: ServeArgs) -> Result<()> {
-    let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None };
+pub async fn run_serve(args: ServeArgs, otlp_endpoint: Option<String>) -> Result<()> {
+    let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None, otlp_endpoint };
     let tokens = args.tokens.tokens(None)?;
     let server = ServerSettings { tokens, tls: args.tls.config()?, metrics_listen: args.metrics_listen.clone() };
     let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, server, args.listen.clone()).await?;
@@ -97,6 +97,8 @@ pub struct RankSettings {
     pub kv_cache_gib: Option<f64>,
     /// RUST_LOG for the ranks (default: inherited)
     pub log_filter: Option<String>,
+    /// where the ranks export traces (default: inherited environment)
+    pub otlp_endpoint: Option<String>,
 }
 
 /// How `LocalCluster` serves its public API.
@@ -165,6 +167,9 @@ impl LocalCluster {
             let mut env = vec![(CLUSTER_TOKEN_ENV.to_owned(), cluster_token.expose().to_owned())];
             if let Some(filter) = &settings.log_filter {
                 env.push(("RUST_LOG".to_owned(), filter.clone()));
+            }
+            if let Some(endpoint) = &settings.otlp_endpoint {
+                env.push(("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), endpoint.clone()));
             }
             let flags = (draining.clone(), stopping.clone());
             supervisors.push(tokio::spawn(supervise_rank(exe.clone(), args, env, rank, flags)));

@@ -23,6 +23,10 @@ pub type ResponseSender = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
 
 /// A validated request, ready to run.
 pub struct NewRequest {
+    /// the request's root span (its trace); closes when the request ends
+    pub span: tracing::Span,
+    /// open while the request waits for admission
+    pub queue_span: tracing::Span,
     /// when the service accepted it, for TTFT and end-to-end latency
     pub arrived: Instant,
     pub prompt_ids: Vec<u32>,
@@ -108,6 +112,9 @@ impl ModelStats {
 
 struct Sequence {
     seq_id: u64,
+    span: tracing::Span,
+    /// open from admission to the first token
+    prefill_span: Option<tracing::Span>,
     arrived: Instant,
     /// when the last token was streamed (None before the first)
     last_token_at: Option<Instant>,
@@ -223,8 +230,12 @@ impl Engine {
                 sampling.suppressed_token_ids = self.model.eos_token_ids.clone();
             }
             self.model.metrics.prompt_tokens.fetch_add(request.prompt_ids.len() as u64, Ordering::Relaxed);
+            drop(request.queue_span);
+            let prefill_span = tracing::info_span!(parent: &request.span, "prefill", prompt_tokens = request.prompt_ids.len());
             self.running.push(Sequence {
                 seq_id,
+                span: request.span,
+                prefill_span: Some(prefill_span),
                 arrived: request.arrived,
                 last_token_at: None,
                 deadline: request.deadline,
@@ -354,7 +365,15 @@ impl Engine {
         let deadline = self.config.step_timeout_base + self.config.step_timeout_per_token * tokens as u32;
         let started = Instant::now();
         let epoch = request.epoch;
-        let response = self.supervisor.step(request, deadline).await.map_err(|f| (epoch, f.to_string()))?;
+        // One span per sequence in its own trace; the ranks' spans hang under the first one
+        // (a step serves several traces, and gRPC metadata carries one parent).
+        let step_spans: Vec<tracing::Span> = sequences
+            .iter()
+            .filter_map(|planned| self.running.iter().find(|s| s.seq_id == planned.seq_id).map(|seq| (planned, seq)))
+            .map(|(planned, seq)| tracing::info_span!(parent: &seq.span, "step", step = self.step, tokens = planned.token_ids.len()))
+            .collect();
+        let response = self.supervisor.step(request, deadline, step_spans.first()).await.map_err(|f| (epoch, f.to_string()))?;
+        drop(step_spans);
         let round_trip = started.elapsed();
         let overhead_us = round_trip.as_secs_f64() * 1e6 - response.compute_micros as f64;
         self.model.stats.record_overhead(overhead_us.max(0.0));
@@ -397,17 +416,19 @@ impl Engine {
             Some(last) => metrics.inter_token_latency.observe(now - last),
         }
         seq.last_token_at = Some(now);
+        seq.prefill_span = None;
         if !seq.ignore_eos && eos.contains(&sampled.token_id) {
             return finish(seq, pb::FinishReason::Eos, &metrics).await;
         }
-        let delta = match seq.decoder.push(sampled.token_id) {
-            Ok(delta) => delta,
+        let detokenize = tracing::info_span!(parent: &seq.span, "detokenize");
+        let decoded = detokenize.in_scope(|| seq.decoder.push(sampled.token_id).map(|delta| seq.stop.push(&delta)));
+        let outcome = match decoded {
+            Ok(outcome) => outcome,
             Err(err) => {
                 let _ = seq.responses.send(Err(Status::internal(format!("detokenization failed: {err:#}")))).await;
                 return Finish::Cancelled;
             }
         };
-        let outcome = seq.stop.push(&delta);
         let message = pb::GenerateResponse {
             token_id: Some(sampled.token_id),
             text: outcome.emit,

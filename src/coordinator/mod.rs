@@ -173,9 +173,14 @@ impl Supervisor {
         }
     }
 
-    pub async fn step(&self, request: rank_pb::GenerateStepRequest, deadline: Duration) -> Result<rank_pb::GenerateStepResponse, RankFailure> {
+    pub async fn step(
+        &self,
+        request: rank_pb::GenerateStepRequest,
+        deadline: Duration,
+        trace: Option<&tracing::Span>,
+    ) -> Result<rank_pb::GenerateStepResponse, RankFailure> {
         let _guard = self.step_lock.lock().await;
-        self.ranks.step(request, deadline).await
+        self.ranks.step(request, deadline, trace).await
     }
 
     pub async fn clear_kv(&self, request: rank_pb::ClearKvRequest) -> Result<rank_pb::ClearKvResponse, RankFailure> {

@@ -154,11 +154,19 @@ impl RankSet {
 
     /// One step on every rank; returns rank 0's answer (the sampled tokens). Every rank's reply
     /// is awaited, so no rank can fall a step behind.
-    pub async fn step(&self, request: pb::GenerateStepRequest, deadline: Duration) -> Result<pb::GenerateStepResponse, RankFailure> {
+    pub async fn step(
+        &self,
+        request: pb::GenerateStepRequest,
+        deadline: Duration,
+        trace: Option<&tracing::Span>,
+    ) -> Result<pb::GenerateStepResponse, RankFailure> {
         let calls = self.clients.iter().enumerate().map(|(rank, client)| {
             let mut client = client.clone();
             let mut request = tonic::Request::new(request.clone());
             request.set_timeout(deadline);
+            if let Some(span) = trace {
+                crate::telemetry::inject(span, request.metadata_mut());
+            }
             async move {
                 match tokio::time::timeout(deadline, client.generate_step(request)).await {
                     Ok(Ok(response)) => Ok(response.into_inner()),

@@ -116,6 +116,7 @@ impl Generator for GeneratorService {
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<ResponseStream>, Status> {
         let coordinator = ready(&self.coordinator)?;
         let deadline = request_deadline(request.metadata());
+        let span = request_span("generate", request.metadata());
         let request = request.into_inner();
         let model = find_model(&coordinator, &request.model).await?;
         let prompt_ids = match (request.prompt.is_empty(), request.prompt_ids.is_empty()) {
@@ -124,12 +125,13 @@ impl Generator for GeneratorService {
             (false, true) => encode(&model, &request.prompt, true)?,
             (true, false) => request.prompt_ids,
         };
-        start(&model, prompt_ids, request.params.unwrap_or_default(), deadline).await
+        start(&model, prompt_ids, request.params.unwrap_or_default(), deadline, span).await
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<ResponseStream>, Status> {
         let coordinator = ready(&self.coordinator)?;
         let deadline = request_deadline(request.metadata());
+        let span = request_span("chat", request.metadata());
         let request = request.into_inner();
         let model = find_model(&coordinator, &request.model).await?;
         if request.messages.is_empty() {
@@ -145,7 +147,7 @@ impl Generator for GeneratorService {
             .map_err(|err| Status::invalid_argument(format!("cannot render the chat template: {err:#}")))?;
         // The template already wrote any special tokens the model expects.
         let prompt_ids = encode(&model, &prompt, false)?;
-        start(&model, prompt_ids, request.params.unwrap_or_default(), deadline).await
+        start(&model, prompt_ids, request.params.unwrap_or_default(), deadline, span).await
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
@@ -197,14 +199,22 @@ fn request_deadline(metadata: &tonic::metadata::MetadataMap) -> Option<std::time
     std::time::Instant::now().checked_add(timeout)
 }
 
+/// The root span of one request's trace, continuing the client's trace when it sent one.
+fn request_span(method: &'static str, metadata: &tonic::metadata::MetadataMap) -> tracing::Span {
+    let span = tracing::info_span!("request", otel.name = method, model = tracing::field::Empty);
+    crate::telemetry::set_parent_from(&span, metadata);
+    span
+}
+
 /// Validates a request against the model and queues it; the stream carries its tokens.
 async fn start(
     model: &Arc<ModelHandle>,
     prompt_ids: Vec<u32>,
     params: pb::GenerationParams,
     deadline: Option<std::time::Instant>,
+    span: tracing::Span,
 ) -> Result<Response<ResponseStream>, Status> {
-    let result = validate_and_queue(model, prompt_ids, params, deadline).await;
+    let result = validate_and_queue(model, prompt_ids, params, deadline, span).await;
     if let Err(status) = &result {
         if status.code() == tonic::Code::InvalidArgument || status.code() == tonic::Code::OutOfRange {
             model.metrics.failure("invalid_request");
@@ -218,6 +228,7 @@ async fn validate_and_queue(
     prompt_ids: Vec<u32>,
     params: pb::GenerationParams,
     deadline: Option<std::time::Instant>,
+    span: tracing::Span,
 ) -> Result<Response<ResponseStream>, Status> {
     let vocab_size = model.config.vocab_size;
     if let Some(bad) = prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
@@ -267,7 +278,11 @@ async fn validate_and_queue(
             model.id
         )));
     }
+    span.record("model", model.id.as_str());
+    let queue_span = tracing::info_span!(parent: &span, "queue");
     let request = NewRequest {
+        span,
+        queue_span,
         arrived: std::time::Instant::now(),
         deadline,
         prompt_ids,

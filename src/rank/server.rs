@@ -177,8 +177,10 @@ impl Rank for RankService {
         &self,
         request: Request<pb::GenerateStepRequest>,
     ) -> Result<Response<pb::GenerateStepResponse>, Status> {
+        let span = tracing::info_span!("rank_step", rank = self.shared().rank, step = request.get_ref().step);
+        crate::telemetry::set_parent_from(&span, request.metadata());
         let request = request.into_inner();
-        let response = self.call(|reply| Command::Step { request, reply }).await?;
+        let response = self.call(|reply| Command::Step { request, span, reply }).await?;
         Ok(Response::new(response))
     }
 

@@ -26,7 +26,7 @@ pub type Reply<T> = oneshot::Sender<Result<T, Status>>;
 pub enum Command {
     Init { request: pb::InitRequest, rendezvous: Option<Rendezvous>, reply: Reply<pb::InitResponse> },
     Load { request: pb::LoadShardRequest, progress: Arc<LoadProgress>, reply: Reply<pb::ShardInfo> },
-    Step { request: pb::GenerateStepRequest, reply: Reply<pb::GenerateStepResponse> },
+    Step { request: pb::GenerateStepRequest, span: tracing::Span, reply: Reply<pb::GenerateStepResponse> },
     ClearKv { request: pb::ClearKvRequest, reply: Reply<pb::ClearKvResponse> },
     Unload { request: pb::UnloadRequest, reply: Reply<pb::UnloadResponse> },
 }
@@ -133,7 +133,8 @@ impl Worker {
             Command::Load { request, progress, reply } => {
                 let _ = reply.send(self.load(request, progress));
             }
-            Command::Step { request, reply } => {
+            Command::Step { request, span, reply } => {
+                let _entered = span.enter();
                 let _ = reply.send(self.step(request));
             }
             Command::ClearKv { request, reply } => {
