@@ -9,6 +9,15 @@ ARG RUNTIME_IMAGE=debian:bookworm-slim
 
 FROM ${BUILD_IMAGE} AS build
 ARG FEATURES=""
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# The CUDA devel images carry nvcc but no Rust: install the pinned toolchain there.
+# hadolint ignore=DL3008
+RUN if ! command -v cargo >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends curl ca-certificates build-essential \
+        && rm -rf /var/lib/apt/lists/* \
+        && curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain 1.95.0; \
+    fi
+ENV PATH=/root/.cargo/bin:/usr/local/cargo/bin:$PATH
 WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
