@@ -394,16 +394,16 @@ def run(batch, new):
                        min_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0)
     torch.cuda.synchronize()
     return time.perf_counter() - t
-print(f"transformers {transformers.__version__}, torch {torch.__version__}", file=sys.stderr)
+print(f"version transformers {transformers.__version__}, torch {torch.__version__}", flush=True)
 for batch in (1, 16):
     run(batch, 5)  # warm-up
     first = run(batch, 1)
     total = run(batch, 1 + steps)
-    print(batch, f"{batch * steps / (total - first):.1f}")
+    print(f"speed {batch} {batch * steps / (total - first):.1f}", flush=True)
 EOF
-        HF_B1="$(awk '$1 == 1 {print $2}' "$WORK/hf.out")"
-        HF_B16="$(awk '$1 == 16 {print $2}' "$WORK/hf.out")"
-        say "  $(tail -n 1 "$WORK/hf.log")"
+        HF_B1="$(awk '$1 == "speed" && $2 == 1 {print $3}' "$WORK/hf.out")"
+        HF_B16="$(awk '$1 == "speed" && $2 == 16 {print $3}' "$WORK/hf.out")"
+        say "  $(sed -n 's/^version //p' "$WORK/hf.out")"
         say "  batch 1: ${HF_B1} tokens/s, batch 16: ${HF_B16} tokens/s"
     else
         show_log "$WORK/hf.log"

@@ -101,7 +101,7 @@ async fn public_api_survives_random_requests() {
     let address: Address = server.address.parse().unwrap();
     let mut client = GeneratorClient::new(net::connect(&address, Duration::from_secs(10)).await.unwrap());
     let mut rng = Rng(0x5EED_0F_7E57);
-    let (mut accepted, mut refused) = (0, 0);
+    let (mut accepted, mut refused, mut transport_errors) = (0, 0, 0);
     for case in 0..CASES {
         let model = if rng.chance(10) { rng.text() } else { String::new() };
         let result = match rng.below(10) {
@@ -144,14 +144,25 @@ async fn public_api_survives_random_requests() {
                     }
                 }
             }
+            // The client library lost its connection before the request reached the server
+            // (hyper reports it as Cancelled with a transport source): that is no verdict of
+            // the server's, so reconnect and go on; the count is checked below.
+            Err(status) if status.code() == Code::Cancelled && std::error::Error::source(&status).is_some() => {
+                transport_errors += 1;
+                client = GeneratorClient::new(net::connect(&address, Duration::from_secs(10)).await.unwrap());
+            }
             Err(status) => {
                 refused += 1;
-                assert!(acceptable(status.code()), "case {case}: {:?}: {}", status.code(), status.message());
+                assert!(acceptable(status.code()), "case {case}: {:?}: {} ({status:?})", status.code(), status.message());
                 assert!(!status.message().is_empty(), "case {case}: refusal without a message");
             }
         }
     }
-    println!("public API: {CASES} random requests, {accepted} accepted, {refused} refused with actionable codes");
+    println!(
+        "public API: {CASES} random requests, {accepted} accepted, {refused} refused with actionable codes, \
+         {transport_errors} lost client connections"
+    );
+    assert!(transport_errors * 50 <= CASES, "too many lost connections: {transport_errors}");
     // Still serving, and still exact.
     common::wait_serving(&server.address, Duration::from_secs(10));
     let prompt = &common::expected("qwen3_a")[2];
@@ -339,7 +350,7 @@ async fn rank_survives_random_steps() {
             Ok(_) => ok += 1,
             Err(status) => {
                 refused += 1;
-                assert!(acceptable(status.code()), "case {case}: {:?}: {}", status.code(), status.message());
+                assert!(acceptable(status.code()), "case {case}: {:?}: {} ({status:?})", status.code(), status.message());
             }
         }
     }

@@ -174,7 +174,6 @@ fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usi
     let prefill: Vec<SequenceInput<'_>> =
         seq_ids.iter().map(|&seq_id| SequenceInput { seq_id, tokens: &prompt, start_pos: 0, sample: true }).collect();
     let mut tokens = next_tokens(comm, model.step(&prefill, &mut store)?, batch)?;
-    let mut position = prompt.len();
     let (mut seconds, mut steps) = (0.0, 0);
     for step in 0..args.bench_warmup + args.bench_steps {
         let started = Instant::now();
@@ -182,11 +181,10 @@ fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usi
         let inputs: Vec<SequenceInput<'_>> = seq_ids
             .iter()
             .zip(&feed)
-            .map(|(&seq_id, token)| SequenceInput { seq_id, tokens: token, start_pos: position, sample: true })
+            .map(|(&seq_id, token)| SequenceInput { seq_id, tokens: token, start_pos: prompt.len() + step, sample: true })
             .collect();
         // next_tokens reads the result on the host, so the time covers the device's work.
         tokens = next_tokens(comm, model.step(&inputs, &mut store)?, batch)?;
-        position += 1;
         if step >= args.bench_warmup {
             seconds += started.elapsed().as_secs_f64();
             steps += 1;

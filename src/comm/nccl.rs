@@ -75,12 +75,15 @@ const DESCRIPTOR_LEN: usize = 2 + MAX_DIMS;
 /// every kernel, copy and NCCL call of the rank is issued.
 pub fn open_device(ordinal: usize) -> candle_core::Result<Device> {
     let count = cudarc::driver::CudaContext::device_count()
-        .map_err(|err| candle_core::Error::Msg(format!("cannot query the CUDA devices: {err}")))?;
-    if ordinal >= count.max(0) as usize {
-        return Err(candle_core::Error::Msg(format!(
-            "there is no CUDA device {ordinal}: this machine has {count} (cuda:0 .. cuda:{})",
-            (count - 1).max(0)
-        )));
+        .map_err(|err| candle_core::Error::Msg(format!("cannot query the CUDA devices (is the driver loaded?): {err}")))?;
+    let count = count.max(0) as usize;
+    if ordinal >= count {
+        let have = match count {
+            0 => "no CUDA device".to_owned(),
+            1 => "one CUDA device, cuda:0".to_owned(),
+            n => format!("{n} CUDA devices, cuda:0 to cuda:{}", n - 1),
+        };
+        return Err(candle_core::Error::Msg(format!("there is no cuda:{ordinal}: this machine has {have}")));
     }
     let device = Device::new_cuda_with_stream(ordinal)?;
     // SAFETY: a rank issues all of its device work on this one stream (candle's kernels and
@@ -304,8 +307,7 @@ impl Shared {
         {
             let mut comm = lock(&self.comm);
             if !comm.0.is_null() {
-                // NCCL switches to the communicator's device itself; a current context keeps
-                // the runtime from creating a second one on this thread.
+                // NCCL's calls expect the communicator's device to be current on the caller.
                 let _ = self.stream.context().bind_to_thread();
                 // SAFETY: the handle is live (non-null) and no other call holds it (mutex).
                 let result = unsafe { sys::ncclCommAbort(comm.0) };
@@ -697,12 +699,14 @@ impl Drop for NcclCollective {
     }
 }
 
+/// Spins briefly (an enqueue that returned ncclInProgress is usually done at once), then backs
+/// off so that a long wait, such as init waiting for the other ranks, costs no core.
 fn backoff(polls: &mut u32) {
-    *polls += 1;
-    if *polls < 64 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(50));
+    *polls = polls.saturating_add(1);
+    match *polls {
+        0..64 => std::thread::yield_now(),
+        64..1024 => std::thread::sleep(Duration::from_micros(50)),
+        _ => std::thread::sleep(Duration::from_millis(1)),
     }
 }
 
@@ -794,10 +798,10 @@ fn assemble(flat: &Tensor, shapes: &[Vec<usize>], offsets: &[usize], dim: usize)
     // When the parts lie back to back and nothing but ones precedes `dim`, rank-major order
     // already is the concatenation (always for dim 0; for a batch-1 row of logits too).
     let back_to_back = offsets.iter().zip(&lens).try_fold(0, |next, (&offset, &len)| (offset == next).then_some(offset + len));
-    if let Some(total) = back_to_back {
-        if shapes[0][..dim].iter().all(|&d| d == 1) {
-            return Ok(flat.narrow(0, 0, total)?.reshape(total_shape)?);
-        }
+    if let Some(total) = back_to_back
+        && shapes[0][..dim].iter().all(|&d| d == 1)
+    {
+        return Ok(flat.narrow(0, 0, total)?.reshape(total_shape)?);
     }
     let parts: Vec<Tensor> = shapes
         .iter()

@@ -61,7 +61,12 @@ pub async fn serve(
         .concurrency_limit(limits.max_concurrent_rpcs)
         .timeout(limits.request_timeout)
         .into_inner();
-    let mut builder = tonic::transport::Server::builder();
+    // Cancelling a stream is a normal client action (the engine frees its sequence), so allow
+    // many per connection before h2's rapid-reset protection closes it; the default (20
+    // pending) disconnects an ordinary client that cancels a few streams in a row.
+    let mut builder = tonic::transport::Server::builder()
+        .http2_max_pending_accept_reset_streams(Some(1024))
+        .http2_max_local_error_reset_streams(Some(4096));
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }

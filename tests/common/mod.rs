@@ -86,7 +86,7 @@ impl Served {
             .args(extra)
             .envs(env.iter().copied())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(server_log(model))
             .spawn()
             .expect("spawn tpserve serve");
         let served = Self { child, address, _dir: dir };
@@ -102,6 +102,18 @@ impl Served {
     pub fn generate(&self, args: &[&str]) -> (String, bool) {
         let output = tpserve().args(["generate", "--server", &self.address]).args(args).output().unwrap();
         (String::from_utf8_lossy(&output.stdout).into_owned(), output.status.success())
+    }
+}
+
+/// Where a server's logs go: a file under $TPSERVE_TEST_LOG_DIR when set (for debugging
+/// failures), else nowhere.
+fn server_log(name: &str) -> Stdio {
+    match std::env::var_os("TPSERVE_TEST_LOG_DIR") {
+        Some(dir) => {
+            let path = std::path::Path::new(&dir).join(format!("{name}-{}.log", std::process::id()));
+            std::fs::File::create(path).map(Stdio::from).unwrap_or_else(|_| Stdio::null())
+        }
+        None => Stdio::null(),
     }
 }
 
