@@ -2,15 +2,16 @@
 # Builds a release tpserve with the `cuda` feature on a machine with no GPU and no CUDA install,
 # for a GPU machine that cannot build it (no Rust toolchain, no network):
 #
-#     scripts/build-cuda.sh                  # writes target/gpu-bin/tpserve (stripped)
-#     # copy it over, then there: TPSERVE_BIN=target/gpu-bin/tpserve scripts/gpu-smoke.sh
+#     scripts/build-cuda.sh        # writes target/gpu-bin/tpserve.xz (about 12 MB)
+#     # copy it over, then there: TPSERVE_BIN=target/gpu-bin/tpserve.xz scripts/gpu-smoke.sh
 #
 # The toolchain comes from PyPI (scripts/cuda-env.sh). Linking needs unversioned library names
 # (the wheels ship libcublas.so.13 and the like) and a libcuda, which only a GPU driver
 # installs: the script links against a stub libcuda made from cudarc's driver bindings, with
 # the driver's soname, so the real libcuda.so.1 is the one loaded at run time. The binary then
-# needs, on the GPU machine, the driver plus libnccl.so.2, libcublas(Lt).so.13, libcurand.so.10
-# and libnvrtc.so.13 (the nvidia-* Python wheels); scripts/gpu-smoke.sh finds them.
+# needs, on the GPU machine, the driver plus libcudart.so.13 (candle-kernels' static kernels),
+# libnccl.so.2, libcublas(Lt).so.13, libcurand.so.10 and libnvrtc.so.13 (the nvidia-* Python
+# wheels); scripts/gpu-smoke.sh finds them.
 #
 # CUDA_COMPUTE_CAP (default 90) picks the GPU architecture of candle's kernels. A clean build
 # takes a while on a small machine (candle-kernels' nvcc plus a release build of everything);
@@ -41,6 +42,7 @@ link() { # name file
     [[ -e "$2" ]] || { echo "build-cuda: $2 is missing from the CUDA wheels" >&2; exit 1; }
     ln -sf "$2" "$STUBS/lib$1.so"
 }
+link cudart "$TPSERVE_CUDA_ROOT/lib/libcudart.so.13"
 link nccl "$TPSERVE_CUDA_SITE/nvidia/nccl/lib/libnccl.so.2"
 link cublas "$TPSERVE_CUDA_ROOT/lib/libcublas.so.13"
 link cublasLt "$TPSERVE_CUDA_ROOT/lib/libcublasLt.so.13"
@@ -51,6 +53,8 @@ export LIBRARY_PATH="$STUBS${LIBRARY_PATH:+:$LIBRARY_PATH}"
 started=$SECONDS
 cargo build --release --features cuda --bin tpserve
 mkdir -p target/gpu-bin
-# Line tables make the binary several times larger; a copy to carry does without them.
-objcopy --strip-debug "$CARGO_TARGET_DIR/release/tpserve" target/gpu-bin/tpserve
-echo "build-cuda: target/gpu-bin/tpserve ($(du -h target/gpu-bin/tpserve | cut -f1)) in $((SECONDS - started)) s" >&2
+# Line tables make the binary several times larger, and even without them it is about 75 MB
+# (candle's kernels are in it): the copy to carry is stripped and compressed.
+objcopy --strip-debug "$CARGO_TARGET_DIR/release/tpserve" "$STUBS/tpserve"
+xz -T0 -6 -c "$STUBS/tpserve" >target/gpu-bin/tpserve.xz
+echo "build-cuda: target/gpu-bin/tpserve.xz ($(du -h target/gpu-bin/tpserve.xz | cut -f1)) in $((SECONDS - started)) s" >&2

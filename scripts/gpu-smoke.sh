@@ -6,11 +6,12 @@
 # transformers. About 8 minutes; everything is printed to stdout. Run it from anywhere:
 #
 #     scripts/gpu-smoke.sh                        # builds, then checks
-#     TPSERVE_BIN=/path/to/tpserve scripts/gpu-smoke.sh   # a binary built elsewhere
+#     TPSERVE_BIN=/path/to/tpserve scripts/gpu-smoke.sh   # a binary built elsewhere (or .xz)
 #
 # What it checks, in order:
 #   1. build   `cargo build --release --features cuda` (skipped when TPSERVE_BIN names a
-#              binary, e.g. one from scripts/build-cuda.sh on a machine with no GPU).
+#              binary, or an xz-compressed one such as target/gpu-bin/tpserve.xz from
+#              scripts/build-cuda.sh on a machine with no GPU).
 #   2. parity  at TP 1 on cuda:0, an NCCL communicator of one rank, computing in f32:
 #              a. `tpserve eval-shard --device cuda:0` on tests/fixtures/qwen3_a, qwen3_b and
 #                 qwen3_c_bf16: the 16 greedy tokens of every prompt must equal expected.json's
@@ -101,11 +102,12 @@ find_lib() {
     ldconfig -p 2>/dev/null | awk -v n="lib$name.so" '$1 ~ "^"n {print $NF; exit}'
 }
 
-# The run-time libraries tpserve's cuda build links: the driver, NCCL, cuBLAS(Lt), cuRAND, NVRTC.
+# The libraries tpserve's cuda build links: the driver, the CUDA runtime (candle-kernels'
+# static kernels), NCCL, cuBLAS(Lt), cuRAND and NVRTC.
 LINK_DIR="$WORK/link"
 mkdir -p "$LINK_DIR"
 MISSING=()
-for name in cuda nccl cublas cublasLt curand nvrtc; do
+for name in cuda cudart nccl cublas cublasLt curand nvrtc; do
     found="$(find_lib "$name")"
     if [[ -z "$found" ]]; then
         MISSING+=("lib$name")
@@ -115,14 +117,26 @@ for name in cuda nccl cublas cublasLt curand nvrtc; do
     ln -sf "$found" "$LINK_DIR/lib$name.so"
     say "lib$name: $found"
 done
-[[ ${#MISSING[@]} -eq 0 ]] || die "not found: ${MISSING[*]} (install the NVIDIA driver, nvidia-nccl-cu13, nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc)"
+[[ ${#MISSING[@]} -eq 0 ]] || die "not found: ${MISSING[*]} (install the NVIDIA driver, nvidia-cuda-runtime, nvidia-nccl-cu13, nvidia-cublas, nvidia-curand, nvidia-cuda-nvrtc)"
 RUNTIME_PATH="$(printf '%s:' "${LIB_DIRS[@]}")$LINK_DIR"
 export LD_LIBRARY_PATH="$RUNTIME_PATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LIBRARY_PATH="$LINK_DIR${LIBRARY_PATH:+:$LIBRARY_PATH}"
 
 # --------------------------------------------------------------------------------------------
 step "1/4 build"
-if [[ -n "${TPSERVE_BIN:-}" ]]; then
+if [[ "${TPSERVE_BIN:-}" == *.xz ]]; then
+    [[ -f "$TPSERVE_BIN" ]] || die "TPSERVE_BIN=$TPSERVE_BIN does not exist"
+    TPSERVE="$WORK/tpserve"
+    # xz may be missing from a minimal image; Python's lzma reads the same format.
+    if command -v xz >/dev/null; then
+        xz -dc "$TPSERVE_BIN" >"$TPSERVE" || die "cannot decompress $TPSERVE_BIN"
+    else
+        "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+            "$TPSERVE_BIN" "$TPSERVE" || die "cannot decompress $TPSERVE_BIN"
+    fi
+    chmod +x "$TPSERVE"
+    say "using $TPSERVE, from $TPSERVE_BIN (not building)"
+elif [[ -n "${TPSERVE_BIN:-}" ]]; then
     [[ -x "$TPSERVE_BIN" ]] || die "TPSERVE_BIN=$TPSERVE_BIN is not an executable"
     TPSERVE="$TPSERVE_BIN"
     say "using $TPSERVE (not building)"
@@ -190,7 +204,7 @@ eos_of() { "$PY" -c 'import json,sys; e=json.load(open(sys.argv[1])).get("eos_to
 
 for name in qwen3_a qwen3_b qwen3_c_bf16; do
     dir="$REPO/tests/fixtures/$name"
-    fixture_prompts "$dir" "$WORK/$name.prompts.json"
+    fixture_prompts "$dir" "$WORK/$name.prompts.json" || { fail "cannot read $dir/expected.json"; continue; }
     rm -f "$WORK/$name.report.json"
     if ! timeout --kill-after=10 180 "$TPSERVE" eval-shard --device cuda:0 --model "$dir" --rank 0 --world-size 1 \
         --prompts "$WORK/$name.prompts.json" --max-new 16 --dtype f32 --suppress "$(eos_of "$dir")" \
