@@ -4,6 +4,7 @@
 pub mod chat_template;
 pub mod detokenizer;
 pub mod engine;
+pub mod gguf_tokenizer;
 pub mod ranks;
 pub mod service;
 pub mod stop;
@@ -395,6 +396,15 @@ struct LocalModelFiles {
 
 impl LocalModelFiles {
     fn read(dir: &Path) -> Result<Self> {
+        if crate::model::gguf::is_gguf(dir) {
+            // One file: config, tokenizer and chat template all come from its metadata.
+            let file = crate::model::gguf::GgufFile::open(dir)?;
+            let config = file.model_config()?;
+            let tokenizer = gguf_tokenizer::tokenizer(&file)?;
+            let chat_template = gguf_tokenizer::chat_template(&file)?;
+            let eos_token_ids = config.eos_token_ids.clone();
+            return Ok(Self { config, tokenizer: Arc::new(tokenizer), chat_template, eos_token_ids });
+        }
         let config = ModelConfig::from_model_dir(dir)?;
         let tokenizer_path = dir.join("tokenizer.json");
         let tokenizer = Tokenizer::from_file(&tokenizer_path)

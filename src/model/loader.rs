@@ -22,9 +22,11 @@ pub struct LoadProgress {
     pub tensors: AtomicU64,
 }
 
-/// The safetensors files of one model directory, memory-mapped.
+/// The safetensors files of one model directory, memory-mapped; or a GGUF file, dequantized
+/// tensor by tensor (then `tensors` is empty and `gguf` answers every question).
 pub struct WeightFiles {
     tensors: MmapedSafetensors,
+    gguf: Option<super::gguf::GgufWeights>,
     /// tensor name -> file it lives in, for error messages
     locations: HashMap<String, PathBuf>,
     total_bytes: u64,
@@ -33,6 +35,13 @@ pub struct WeightFiles {
 impl WeightFiles {
     /// Opens `model.safetensors`, or every file named by `model.safetensors.index.json`.
     pub fn open(dir: &Path) -> Result<Self> {
+        if super::gguf::is_gguf(dir) {
+            let gguf = super::gguf::GgufWeights::open(dir)?;
+            let total_bytes = gguf.total_bytes();
+            // SAFETY: no file is mapped; an empty set of safetensors files.
+            let tensors = unsafe { MmapedSafetensors::multi::<PathBuf>(&[]) }.map_err(|err| anyhow::anyhow!("{err}"))?;
+            return Ok(Self { tensors, gguf: Some(gguf), locations: HashMap::new(), total_bytes });
+        }
         let files = safetensors_files(dir)?;
         let mut total_bytes = 0;
         for file in &files {
@@ -56,10 +65,13 @@ impl WeightFiles {
                 locations.insert(name, file.clone());
             }
         }
-        Ok(Self { tensors, locations, total_bytes })
+        Ok(Self { tensors, gguf: None, locations, total_bytes })
     }
 
     pub fn contains(&self, name: &str) -> bool {
+        if let Some(gguf) = &self.gguf {
+            return gguf.contains(name);
+        }
         self.locations.contains_key(name)
     }
 
@@ -67,16 +79,26 @@ impl WeightFiles {
         self.total_bytes
     }
 
-    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
-        self.locations.keys().map(String::as_str)
+    pub fn tensor_names(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+        match &self.gguf {
+            Some(gguf) => Box::new(gguf.tensor_names()),
+            None => Box::new(self.locations.keys().map(String::as_str)),
+        }
     }
 
     pub fn dtype(&self, name: &str) -> Result<DType> {
+        if self.gguf.is_some() {
+            // GGUF tensors are dequantized to f32 as they are read.
+            return Ok(DType::F32);
+        }
         let view = self.view(name)?;
         DType::try_from(view.dtype()).map_err(|err| anyhow::anyhow!("tensor \"{name}\": {err}"))
     }
 
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        if let Some(gguf) = &self.gguf {
+            return gguf.shape(name);
+        }
         Ok(self.view(name)?.shape().to_vec())
     }
 
@@ -212,6 +234,9 @@ impl ShardLoader {
         ranges: &[Range<usize>],
     ) -> Result<Tensor> {
         let full_name = self.full_name(name);
+        if let Some(gguf) = &self.files.gguf {
+            return self.slice_dense(&full_name, gguf.dequantize(&full_name)?, expected_shape, dim, ranges);
+        }
         let view = self.files.view(&full_name)?;
         let shape = view.shape();
         if shape != expected_shape {
@@ -254,6 +279,38 @@ impl ShardLoader {
         self.progress.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         self.progress.tensors.fetch_add(1, Ordering::Relaxed);
         Ok(tensor)
+    }
+}
+
+impl ShardLoader {
+    /// [`ShardLoader::slice`] of a tensor already in memory (a dequantized GGUF tensor).
+    fn slice_dense(
+        &self,
+        full_name: &str,
+        tensor: Tensor,
+        expected_shape: &[usize],
+        dim: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<Tensor> {
+        if tensor.dims() != expected_shape {
+            bail!("tensor \"{full_name}\" has shape {:?} but the model config implies {expected_shape:?}", tensor.dims());
+        }
+        let tensor = if tensor.rank() == 0 { tensor.reshape(1)? } else { tensor };
+        let size = tensor.dims().get(dim).copied().with_context(|| format!("tensor \"{full_name}\" has no dimension {dim} to slice"))?;
+        let mut parts = Vec::with_capacity(ranges.len());
+        for range in ranges {
+            if range.start > range.end || range.end > size {
+                bail!("slice {range:?} of dimension {dim} is out of bounds for tensor \"{full_name}\" of shape {:?}", tensor.dims());
+            }
+            parts.push(tensor.narrow(dim, range.start, range.end - range.start)?);
+        }
+        let out = Tensor::cat(&parts, dim)
+            .with_context(|| format!("cannot build tensor \"{full_name}\""))?
+            .to_dtype(self.dtype)?
+            .to_device(&self.device)?;
+        self.progress.bytes.fetch_add((out.elem_count() * DType::F32.size_in_bytes()) as u64, Ordering::Relaxed);
+        self.progress.tensors.fetch_add(1, Ordering::Relaxed);
+        Ok(out)
     }
 }
 

