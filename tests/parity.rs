@@ -59,9 +59,8 @@ fn run_group(name: &str, tp: usize, chunk: usize, transport: Transport) -> Group
         Transport::Tcp => "127.0.0.1:0".to_owned(),
         Transport::Unix => format!("unix://{}", dir.path().join("comm.sock").display()),
     };
-    let exe = env!("CARGO_BIN_EXE_tpserve");
     let base = |rank: usize| {
-        let mut command = Command::new(exe);
+        let mut command = common::tpserve();
         command.args(["eval-shard", "--model"]).arg(common::fixture(name));
         command.args(["--rank", &rank.to_string(), "--world-size", &tp.to_string()]);
         command.arg("--prompts").arg(&prompts_file);

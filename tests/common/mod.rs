@@ -55,8 +55,19 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// A `tpserve` command whose process dies with the test that started it, even when the test
+/// panics: PR_SET_PDEATHSIG fires when the spawning thread (the test's) exits.
 pub fn tpserve() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_tpserve"))
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tpserve"));
+    // SAFETY: prctl is async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    command
 }
 
 /// A `tpserve serve` process on a private Unix socket (or TCP), stopped with SIGTERM on drop.
