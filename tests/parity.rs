@@ -48,7 +48,7 @@ struct GroupRun {
 /// returns rank 0's report.
 fn run_group(name: &str, tp: usize, chunk: usize, transport: Transport) -> GroupRun {
     use std::io::BufRead;
-    use std::process::{Command, Stdio};
+    use std::process::Stdio;
 
     let dir = tempfile::tempdir().unwrap();
     let prompts: Vec<Vec<u32>> = common::expected(name).into_iter().map(|p| p.ids).collect();
