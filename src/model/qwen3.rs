@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::cache::{LayerCache, SequenceCache};
 use super::config::ModelConfig;
+use super::layers::Mlp;
 use super::loader::ShardLoader;
 use super::parallel::{
     ColumnParallelLinear, HeadLayout, ParallelLmHead, RowParallelLinear, RowSlice, TpGroup,
@@ -200,34 +201,6 @@ fn causal_mask(n: usize, total: usize, start: usize, device: &Device) -> Result<
     Ok(Tensor::from_vec(mask, (n, total), device)?)
 }
 
-struct Mlp {
-    gate_up: ColumnParallelLinear,
-    down: RowParallelLinear,
-}
-
-impl Mlp {
-    fn load(loader: &ShardLoader, group: &TpGroup, hidden: usize, intermediate: usize, field: &str) -> Result<Self> {
-        let rows = group.part(field, intermediate)?;
-        let gate_up = ColumnParallelLinear::load_fused(
-            loader,
-            &[
-                (RowSlice { name: "gate_proj", rows: vec![rows.clone()] }, intermediate),
-                (RowSlice { name: "up_proj", rows: vec![rows.clone()] }, intermediate),
-            ],
-            hidden,
-            false,
-        )?;
-        let down = RowParallelLinear::load_columns(loader, group, "down_proj", hidden, intermediate, &[rows], false)?;
-        Ok(Self { gate_up, down })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let parts = self.gate_up.forward_split(x)?;
-        let activated = (candle_nn::ops::silu(&parts[0])? * &parts[1])?;
-        self.down.forward(&activated)
-    }
-}
-
 struct DecoderLayer {
     input_norm: RmsNorm,
     attention: Attention,
@@ -242,8 +215,7 @@ impl DecoderLayer {
         all.extend(self.attention.o_proj.weights());
         all.extend(self.attention.q_norm.iter().map(RmsNorm::weight));
         all.extend(self.attention.k_norm.iter().map(RmsNorm::weight));
-        all.extend(self.mlp.gate_up.weights());
-        all.extend(self.mlp.down.weights());
+        all.extend(self.mlp.weights());
         all
     }
 
