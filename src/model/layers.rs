@@ -63,6 +63,8 @@ pub struct AttentionConfig {
     pub rotary_dim: usize,
     /// q_proj carries a sigmoid output gate per head: [query | gate] rows for every head
     pub gated: bool,
+    /// per-head RMSNorm of queries and keys before RoPE (Qwen3, Qwen3.5; not Llama)
+    pub qk_norm: bool,
     pub bias: bool,
     pub norm: NormWeight,
     pub eps: f64,
@@ -73,8 +75,8 @@ pub struct AttentionConfig {
 pub struct Attention {
     qkv: ColumnParallelLinear,
     o_proj: RowParallelLinear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
     heads: HeadLayout,
     head_dim: usize,
     rotary_dim: usize,
@@ -113,8 +115,8 @@ impl Attention {
         Ok(Self {
             qkv,
             o_proj,
-            q_norm: RmsNorm::load(loader, "q_norm", hd, config.eps, config.norm)?,
-            k_norm: RmsNorm::load(loader, "k_norm", hd, config.eps, config.norm)?,
+            q_norm: config.qk_norm.then(|| RmsNorm::load(loader, "q_norm", hd, config.eps, config.norm)).transpose()?,
+            k_norm: config.qk_norm.then(|| RmsNorm::load(loader, "k_norm", hd, config.eps, config.norm)).transpose()?,
             heads,
             head_dim: hd,
             rotary_dim: config.rotary_dim,
@@ -125,7 +127,7 @@ impl Attention {
     pub fn weights(&self) -> Vec<&Tensor> {
         let mut all = self.qkv.weights();
         all.extend(self.o_proj.weights());
-        all.extend([self.q_norm.weight(), self.k_norm.weight()]);
+        all.extend(self.q_norm.iter().chain(&self.k_norm).map(RmsNorm::weight));
         all
     }
 
@@ -152,8 +154,11 @@ impl Attention {
         } else {
             (parts[0].reshape((tokens, lq, hd))?, None)
         };
-        let q = self.q_norm.forward(&q)?;
-        let k = self.k_norm.forward(&parts[1].reshape((tokens, lkv, hd))?)?;
+        let k = parts[1].reshape((tokens, lkv, hd))?;
+        let (q, k) = match (&self.q_norm, &self.k_norm) {
+            (Some(q_norm), Some(k_norm)) => (q_norm.forward(&q)?, k_norm.forward(&k)?),
+            _ => (q, k),
+        };
         // [1, heads, tokens, head_dim] for the RoPE kernel
         let q = self.rotate(&q.transpose(0, 1)?.unsqueeze(0)?, positions, rotary)?.squeeze(0)?;
         let k = self.rotate(&k.transpose(0, 1)?.unsqueeze(0)?, positions, rotary)?.squeeze(0)?;

@@ -49,8 +49,8 @@ pub struct LoadOptions {
 
 /// A loaded shard of any supported family.
 pub enum Model {
-    Qwen3(qwen3::Model),
-    /// Qwen3 MoE, Qwen3.5 and Qwen3.5 MoE: decoders with per-layer mixers and feed-forwards
+    /// Every family: decoders with per-layer mixers (attention or Gated DeltaNet) and
+    /// feed-forwards (dense or MoE)
     Decoder(decoder::Model),
 }
 
@@ -58,7 +58,6 @@ pub enum Model {
 macro_rules! dispatch {
     ($self:expr, $model:ident => $call:expr) => {
         match $self {
-            Model::Qwen3($model) => $call,
             Model::Decoder($model) => $call,
         }
     };
@@ -80,7 +79,7 @@ impl Model {
         };
         let loader = ShardLoader::new(files, options.device.clone(), dtype, progress);
         let model = match config.family {
-            ModelFamily::Qwen3 | ModelFamily::Llama => Model::Qwen3(qwen3::Model::load(&loader, group, &config)?),
+            ModelFamily::Qwen3 | ModelFamily::Llama => Model::Decoder(qwen3::load(&loader, group, &config)?),
             ModelFamily::Qwen3Moe => Model::Decoder(qwen3_moe::load(&loader, group, &config)?),
             ModelFamily::Qwen3_5 | ModelFamily::Qwen3_5Moe => Model::Decoder(qwen3_5::load(&loader, group, &config)?),
         };

@@ -182,6 +182,7 @@ pub fn load(loader: &ShardLoader, group: &TpGroup, config: &ModelConfig) -> Resu
         num_kv_heads: config.num_key_value_heads,
         head_dim: config.head_dim,
         rotary_dim: hybrid.rotary_dim,
+        qk_norm: true,
         gated: true,
         bias: config.attention_bias,
         norm,

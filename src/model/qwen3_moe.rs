@@ -46,6 +46,7 @@ pub fn load(loader: &ShardLoader, group: &TpGroup, config: &ModelConfig) -> Resu
         num_kv_heads: config.num_key_value_heads,
         head_dim: config.head_dim,
         rotary_dim: config.head_dim,
+        qk_norm: true,
         gated: false,
         bias: config.attention_bias,
         norm: NormWeight::Plain,
