@@ -43,6 +43,12 @@ pub async fn run() -> Result<ExitCode> {
         max_concurrent_rpcs: 64,
         request_timeout_secs: 60,
         shutdown_grace_secs: 5,
+        max_prompt_bytes: 1 << 20,
+        max_chat_messages: 1024,
+        max_stop_sequences: 64,
+        max_stop_bytes: 256,
+        stream_buffer: 512,
+        load_timeout_secs: 600,
     };
     let ranks = RankSettings { log_filter: Some("error".to_owned()), ..RankSettings::default() };
     let cluster = LocalCluster::start(&model_dir, TP, "f32", ranks, &scheduler, ServerSettings::default(), listen.clone()).await?;

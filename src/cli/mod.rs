@@ -16,6 +16,8 @@ use crate::auth::{ADMIN_TOKEN_ENV, API_TOKEN_ENV, CLUSTER_TOKEN_ENV, Secret, loa
 use crate::coordinator::{CoordinatorOptions, Tokens};
 use crate::coordinator::engine::SchedulerConfig;
 use crate::coordinator::service::RpcLimits;
+use crate::coordinator::stop::StopLimits;
+use crate::coordinator::validation::RequestLimits;
 use crate::net::Address;
 
 #[derive(Parser, Debug)]
@@ -193,6 +195,24 @@ pub struct SchedulerArgs {
     /// On SIGTERM, seconds in-flight requests may take to finish before the server stops
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
+    /// Most bytes of prompt text (or of a chat's messages together) before tokenization
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_prompt_bytes: usize,
+    /// Most messages in one chat request
+    #[arg(long, default_value_t = 1024)]
+    pub max_chat_messages: usize,
+    /// Most stop sequences in one request
+    #[arg(long, default_value_t = 64)]
+    pub max_stop_sequences: usize,
+    /// Most bytes in one stop sequence
+    #[arg(long, default_value_t = 256)]
+    pub max_stop_bytes: usize,
+    /// Messages a stream may fall behind its client before it is cut off (RESOURCE_EXHAUSTED)
+    #[arg(long, default_value_t = 512)]
+    pub stream_buffer: usize,
+    /// Seconds loading a model on the ranks may take in all (a rank silent for 60 s fails sooner)
+    #[arg(long, default_value_t = 1800)]
+    pub load_timeout_secs: u64,
 }
 
 impl SchedulerArgs {
@@ -213,10 +233,27 @@ impl SchedulerArgs {
         if self.max_concurrent_rpcs == 0 || self.request_timeout_secs == 0 {
             bail!("--max-concurrent-rpcs and --request-timeout-secs must be positive");
         }
+        if self.max_prompt_bytes == 0 || self.max_chat_messages == 0 || self.max_stop_bytes == 0 || self.stream_buffer == 0 {
+            bail!("--max-prompt-bytes, --max-chat-messages, --max-stop-bytes and --stream-buffer must be positive");
+        }
         Ok(RpcLimits {
             max_concurrent_rpcs: self.max_concurrent_rpcs,
             request_timeout: Duration::from_secs(self.request_timeout_secs),
+            request: RequestLimits {
+                max_prompt_bytes: self.max_prompt_bytes,
+                max_chat_messages: self.max_chat_messages,
+                stop: StopLimits { max_count: self.max_stop_sequences, max_bytes: self.max_stop_bytes },
+                stream_buffer: self.stream_buffer,
+                tokenizer_threads: available_cores(),
+            },
         })
+    }
+
+    pub fn load_timeout(&self) -> Result<Duration> {
+        if self.load_timeout_secs == 0 {
+            bail!("--load-timeout-secs must be positive");
+        }
+        Ok(Duration::from_secs(self.load_timeout_secs))
     }
 }
 
@@ -265,6 +302,7 @@ impl CoordinatorArgs {
             rank_patience: Duration::from_secs(self.rank_wait_secs),
             init_timeout: Duration::from_secs(120),
             recovery_timeout: Duration::from_secs(120),
+            load_timeout: self.scheduler.load_timeout()?,
             shutdown_grace: Duration::from_secs(self.scheduler.shutdown_grace_secs),
             tokens: self.tokens.tokens(load_token(self.cluster_token_file.as_deref(), CLUSTER_TOKEN_ENV)?)?,
             tls: self.tls.config()?,

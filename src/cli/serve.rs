@@ -186,6 +186,7 @@ impl LocalCluster {
             rank_patience: Duration::from_secs(120),
             init_timeout: Duration::from_secs(120),
             recovery_timeout: Duration::from_secs(120),
+            load_timeout: scheduler.load_timeout()?,
             shutdown_grace: Duration::from_secs(scheduler.shutdown_grace_secs),
             tokens,
             tls,

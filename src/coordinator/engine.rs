@@ -4,22 +4,27 @@
 //! sequence (a decode token, or the next prefill chunk), fans it out to all ranks, and routes
 //! rank 0's sampled tokens back to the clients. Detokenization and stop conditions run here, so
 //! a sequence stops the step after it finishes, and its caches are freed on every rank.
+//!
+//! The loop never waits on a client (see `stream`), and a failed step is handled by how far it
+//! reaches: a step the ranks refused fails the request at fault alone; a lost rank or a failed
+//! collective recovers the group, after which every model's sequences re-prefill in the new
+//! epoch. Unloading the model cancels its requests and ends the loop.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tonic::Status;
 
 use super::detokenizer::IncrementalDecoder;
-use super::stop::StopMatcher;
+use super::ranks::{RankFailure, StepError};
+use super::stop::{StopMatcher, StopSet};
+use super::stream::{ClientSender, Push};
 use super::{ModelHandle, Supervisor};
 use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
-
-pub type ResponseSender = mpsc::Sender<Result<pb::GenerateResponse, Status>>;
 
 /// A validated request, ready to run.
 pub struct NewRequest {
@@ -35,9 +40,9 @@ pub struct NewRequest {
     pub sampling: rank_pb::SamplingParams,
     /// already clamped so that prompt + max_tokens fits the context
     pub max_tokens: usize,
-    pub stop: Vec<String>,
+    pub stop: Arc<StopSet>,
     pub ignore_eos: bool,
-    pub responses: ResponseSender,
+    pub responses: ClientSender,
 }
 
 /// Limits of one step, and of the queue in front of it.
@@ -133,7 +138,7 @@ struct Sequence {
     sampling: rank_pb::SamplingParams,
     decoder: IncrementalDecoder,
     stop: StopMatcher,
-    responses: ResponseSender,
+    responses: ClientSender,
 }
 
 impl Sequence {
@@ -147,6 +152,8 @@ enum Finish {
     Done,
     /// the client has gone away
     Cancelled,
+    /// the client fell too far behind and the stream was cut off
+    CutOff,
 }
 
 pub struct Engine {
@@ -154,53 +161,80 @@ pub struct Engine {
     supervisor: Arc<Supervisor>,
     config: SchedulerConfig,
     requests: mpsc::Receiver<NewRequest>,
+    /// becomes true when the model is being unloaded
+    unloading: watch::Receiver<bool>,
     waiting: VecDeque<NewRequest>,
     running: Vec<Sequence>,
     next_seq_id: u64,
     step: u64,
     /// KV tokens promised to running sequences; never above `model.kv_capacity_tokens`
     reserved: usize,
+    /// the communicator epoch the running sequences' caches live in
+    cache_epoch: u64,
 }
 
 impl Engine {
-    pub fn new(model: Arc<ModelHandle>, supervisor: Arc<Supervisor>, config: SchedulerConfig, requests: mpsc::Receiver<NewRequest>) -> Self {
+    pub fn new(
+        model: Arc<ModelHandle>,
+        supervisor: Arc<Supervisor>,
+        config: SchedulerConfig,
+        requests: mpsc::Receiver<NewRequest>,
+    ) -> Self {
+        let unloading = model.unloading.subscribe();
+        let cache_epoch = supervisor.epoch();
         Self {
             model,
             supervisor,
             config,
             requests,
+            unloading,
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_seq_id: 1,
             step: 0,
             reserved: 0,
+            cache_epoch,
         }
     }
 
-    /// Runs until the model is unloaded (its request queue closes) and no work is left.
+    /// Runs until the model is unloaded (or its request queue closes and no work is left).
     pub async fn run(mut self) {
         loop {
+            let unloading = *self.unloading.borrow();
+            if unloading {
+                self.cancel_for_unload();
+                tracing::info!(model = %self.model.id, "model unloaded; its step loop ends");
+                return;
+            }
             if self.running.is_empty() && self.waiting.is_empty() {
-                match self.requests.recv().await {
-                    Some(request) => self.waiting.push_back(request),
-                    None => return,
+                tokio::select! {
+                    request = self.requests.recv() => match request {
+                        Some(request) => self.waiting.push_back(request),
+                        None => return,
+                    },
+                    _ = self.unloading.changed() => continue,
                 }
             }
             while let Ok(request) = self.requests.try_recv() {
                 self.waiting.push_back(request);
             }
-            self.expire_waiting().await;
+            self.expire_waiting();
             self.admit();
             self.drop_cancelled().await;
             if self.running.is_empty() {
                 if !self.waiting.is_empty() {
                     // Nothing runs, yet the head of the queue does not fit: it never will.
-                    self.refuse_unfittable().await;
+                    self.refuse_unfittable();
                 }
                 continue;
             }
-            if let Err((epoch, failure)) = self.run_step().await {
-                self.recover_and_resume(epoch, failure).await;
+            self.follow_epoch();
+            let plan = self.plan_step();
+            match self.run_step(&plan).await {
+                Ok(()) | Err(StepError::StaleEpoch) => {}
+                Err(StepError::Refused(failure)) => self.isolate_refusal(plan, failure).await,
+                Err(StepError::Group(failure)) => self.recover(failure).await,
+                Err(StepError::Unavailable(reason)) => self.fail_running(&Status::unavailable(reason)),
             }
         }
     }
@@ -248,7 +282,7 @@ impl Engine {
                 max_tokens: request.max_tokens,
                 ignore_eos: request.ignore_eos,
                 sampling,
-                stop: StopMatcher::new(request.stop),
+                stop: StopMatcher::with_set(request.stop),
                 responses: request.responses,
             });
         }
@@ -264,39 +298,62 @@ impl Engine {
     }
 
     /// Ends waiting requests whose deadline passed.
-    async fn expire_waiting(&mut self) {
+    fn expire_waiting(&mut self) {
         let now = Instant::now();
         let (expired, waiting): (VecDeque<NewRequest>, VecDeque<NewRequest>) =
             std::mem::take(&mut self.waiting).into_iter().partition(|r| r.deadline.is_some_and(|d| d <= now));
         self.waiting = waiting;
-        for request in expired {
+        for mut request in expired {
             self.model.metrics.failure("deadline");
             self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
-            let status = Status::deadline_exceeded("the request's deadline passed while it waited for admission");
-            let _ = request.responses.send(Err(status)).await;
+            request.responses.fail(Status::deadline_exceeded("the request's deadline passed while it waited for admission"));
         }
     }
 
     /// The queue's head needs more KV cache than the ranks hold in total.
-    async fn refuse_unfittable(&mut self) {
-        let Some(request) = self.waiting.pop_front() else { return };
+    fn refuse_unfittable(&mut self) {
+        let Some(mut request) = self.waiting.pop_front() else { return };
         self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         let need = request.prompt_ids.len() + request.max_tokens;
         self.model.metrics.failure("kv_capacity");
-        let status = Status::resource_exhausted(format!(
+        request.responses.fail(Status::resource_exhausted(format!(
             "the request needs {need} tokens of KV cache (prompt plus max_tokens) but the ranks hold {}; \
              lower max_tokens or shorten the prompt",
             self.model.kv_capacity_tokens
+        )));
+    }
+
+    /// Ends every queued and running request: the model is being unloaded. Its caches go with
+    /// the model on the ranks, so nothing is freed one by one.
+    fn cancel_for_unload(&mut self) {
+        self.requests.close();
+        while let Ok(request) = self.requests.try_recv() {
+            self.waiting.push_back(request);
+        }
+        let status = Status::unavailable(format!(
+            "model \"{}\" is being unloaded; the request was cancelled (see Admin.ListModels)",
+            self.model.id
         ));
-        let _ = request.responses.send(Err(status)).await;
+        for mut request in self.waiting.drain(..) {
+            self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            self.model.metrics.failure("unloaded");
+            request.responses.fail(status.clone());
+        }
+        for seq in &mut self.running {
+            self.model.metrics.failure("unloaded");
+            seq.responses.fail(status.clone());
+        }
+        self.running.clear();
+        self.reserved = 0;
+        self.publish_occupancy();
     }
 
     /// Frees the sequences whose clients went away, or whose deadline passed, before the next
     /// step spends work on them.
     async fn drop_cancelled(&mut self) {
         let now = Instant::now();
-        let (ended, running): (Vec<Sequence>, Vec<Sequence>) = std::mem::take(&mut self.running)
+        let (mut ended, running): (Vec<Sequence>, Vec<Sequence>) = std::mem::take(&mut self.running)
             .into_iter()
             .partition(|s| s.responses.is_closed() || s.deadline.is_some_and(|d| d <= now));
         self.running = running;
@@ -305,11 +362,11 @@ impl Engine {
         }
         self.model.stats.requests_cancelled_total.fetch_add(ended.len() as u64, Ordering::Relaxed);
         tracing::info!(count = ended.len(), "clients went away or deadlines passed; freeing their sequences");
-        for seq in &ended {
+        for seq in &mut ended {
             let expired = seq.deadline.is_some_and(|d| d <= now);
             self.model.metrics.failure(if expired { "deadline" } else { "cancelled" });
             if expired {
-                let _ = seq.responses.try_send(Err(Status::deadline_exceeded("the request's deadline passed")));
+                seq.responses.fail(Status::deadline_exceeded("the request's deadline passed"));
             }
         }
         self.release(&ended);
@@ -352,19 +409,17 @@ impl Engine {
         steps
     }
 
-    async fn run_step(&mut self) -> Result<(), (u64, String)> {
-        let sequences = self.plan_step();
+    async fn run_step(&mut self, sequences: &[rank_pb::SequenceStep]) -> Result<(), StepError> {
         let tokens: usize = sequences.iter().map(|s| s.token_ids.len()).sum();
         self.step += 1;
         let request = rank_pb::GenerateStepRequest {
             model_id: self.model.id.clone(),
             step: self.step,
-            epoch: self.supervisor.epoch(),
-            sequences: sequences.clone(),
+            epoch: self.cache_epoch,
+            sequences: sequences.to_vec(),
         };
         let deadline = self.config.step_timeout_base + self.config.step_timeout_per_token * tokens as u32;
         let started = Instant::now();
-        let epoch = request.epoch;
         // One span per sequence in its own trace; the ranks' spans hang under the first one
         // (a step serves several traces, and gRPC metadata carries one parent).
         let step_spans: Vec<tracing::Span> = sequences
@@ -372,13 +427,13 @@ impl Engine {
             .filter_map(|planned| self.running.iter().find(|s| s.seq_id == planned.seq_id).map(|seq| (planned, seq)))
             .map(|(planned, seq)| tracing::info_span!(parent: &seq.span, "step", step = self.step, tokens = planned.token_ids.len()))
             .collect();
-        let response = self.supervisor.step(request, deadline, step_spans.first()).await.map_err(|f| (epoch, f.to_string()))?;
+        let response = self.supervisor.step(request, deadline, step_spans.first()).await?;
         drop(step_spans);
         let round_trip = started.elapsed();
         let overhead_us = round_trip.as_secs_f64() * 1e6 - response.compute_micros as f64;
         self.model.stats.record_overhead(overhead_us.max(0.0));
         tracing::trace!(step = self.step, tokens, ?round_trip, compute_us = response.compute_micros, "step");
-        for planned in &sequences {
+        for planned in sequences {
             if let Some(seq) = self.running.iter_mut().find(|s| s.seq_id == planned.seq_id) {
                 seq.processed += planned.token_ids.len();
             }
@@ -386,14 +441,18 @@ impl Engine {
         let mut finished = Vec::new();
         for sampled in response.tokens {
             let Some(index) = self.running.iter().position(|s| s.seq_id == sampled.seq_id) else { continue };
-            let outcome = self.accept_token(index, &sampled).await;
-            if !matches!(outcome, Finish::Running) {
-                if matches!(outcome, Finish::Cancelled) {
-                    self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
-                    self.model.metrics.failure("cancelled");
-                }
-                finished.push(self.running.swap_remove(index));
+            let outcome = self.accept_token(index, &sampled);
+            let label = match outcome {
+                Finish::Running => continue,
+                Finish::Done => None,
+                Finish::Cancelled => Some("cancelled"),
+                Finish::CutOff => Some("slow_client"),
+            };
+            if let Some(label) = label {
+                self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
+                self.model.metrics.failure(label);
             }
+            finished.push(self.running.swap_remove(index));
         }
         self.release(&finished);
         if !finished.is_empty() {
@@ -403,7 +462,7 @@ impl Engine {
     }
 
     /// Appends a sampled token, streams its text, and decides whether the sequence is done.
-    async fn accept_token(&mut self, index: usize, sampled: &rank_pb::SampledToken) -> Finish {
+    fn accept_token(&mut self, index: usize, sampled: &rank_pb::SampledToken) -> Finish {
         let max_context = self.model.max_context;
         let eos = &self.model.eos_token_ids;
         let metrics = self.model.metrics.clone();
@@ -418,14 +477,14 @@ impl Engine {
         seq.last_token_at = Some(now);
         seq.prefill_span = None;
         if !seq.ignore_eos && eos.contains(&sampled.token_id) {
-            return finish(seq, pb::FinishReason::Eos, &metrics).await;
+            return finish(seq, pb::FinishReason::Eos, &metrics);
         }
         let detokenize = tracing::info_span!(parent: &seq.span, "detokenize");
         let decoded = detokenize.in_scope(|| seq.decoder.push(sampled.token_id).map(|delta| seq.stop.push(&delta)));
         let outcome = match decoded {
             Ok(outcome) => outcome,
             Err(err) => {
-                let _ = seq.responses.send(Err(Status::internal(format!("detokenization failed: {err:#}")))).await;
+                seq.responses.fail(Status::internal(format!("detokenization failed: {err:#}")));
                 return Finish::Cancelled;
             }
         };
@@ -441,17 +500,27 @@ impl Engine {
             finish_reason: pb::FinishReason::Unspecified as i32,
             usage: None,
         };
-        if seq.responses.send(Ok(message)).await.is_err() {
-            return Finish::Cancelled;
+        match seq.responses.push(message) {
+            Push::Sent => {}
+            Push::Gone => return Finish::Cancelled,
+            Push::Behind => {
+                let behind = seq.responses.capacity();
+                tracing::warn!(seq_id = seq.seq_id, behind, "a client stopped reading its stream; cutting it off");
+                seq.responses.fail(Status::resource_exhausted(format!(
+                    "the client fell {behind} messages behind the stream and it was cut off (--stream-buffer); \
+                     read the stream as it arrives"
+                )));
+                return Finish::CutOff;
+            }
         }
         if outcome.stopped {
-            return finish(seq, pb::FinishReason::StopSequence, &metrics).await;
+            return finish(seq, pb::FinishReason::StopSequence, &metrics);
         }
         if seq.tokens.len() >= max_context {
-            return finish(seq, pb::FinishReason::ContextLength, &metrics).await;
+            return finish(seq, pb::FinishReason::ContextLength, &metrics);
         }
         if seq.generated() >= seq.max_tokens {
-            return finish(seq, pb::FinishReason::Length, &metrics).await;
+            return finish(seq, pb::FinishReason::Length, &metrics);
         }
         Finish::Running
     }
@@ -467,42 +536,94 @@ impl Engine {
         }
     }
 
-    /// A rank failed mid-step. The supervisor rebuilds the group (new epoch, shards reloaded)
-    /// and every running sequence resumes by re-prefilling its prompt plus the tokens already
-    /// streamed: the client sees a pause, not an error, and the output is what it would have
-    /// been (sampling draws depend only on the seed and the token index). Past the recovery
-    /// deadline, or after too many interruptions of one sequence, requests end with UNAVAILABLE.
-    async fn recover_and_resume(&mut self, epoch: u64, failure: String) {
-        tracing::error!(%failure, running = self.running.len(), "step failed; recovering the ranks");
-        if !self.supervisor.recover(epoch, &failure).await {
-            let status = Status::unavailable(format!(
-                "a rank failed ({failure}) and the ranks did not recover in time; retry later"
-            ));
-            for seq in self.running.drain(..) {
-                self.model.metrics.failure("rank_failure");
-                let _ = seq.responses.send(Err(status.clone())).await;
-            }
-            self.reserved = 0;
-            self.publish_occupancy();
+    /// Every rank refused a step before running it. Alone in its step, the request is at fault
+    /// and fails with the rank's status; in a batch, each sequence runs alone once to find it
+    /// (a refused step changed no cache, so repeating it is safe).
+    async fn isolate_refusal(&mut self, plan: Vec<rank_pb::SequenceStep>, failure: RankFailure) {
+        if let [only] = plan.as_slice() {
+            self.refuse_sequence(only.seq_id, &failure).await;
             return;
         }
-        let (resumable, exhausted): (Vec<Sequence>, Vec<Sequence>) =
-            std::mem::take(&mut self.running).into_iter().partition(|s| s.resumes < MAX_RESUMES);
-        for seq in &exhausted {
+        tracing::warn!(%failure, sequences = plan.len(), "the ranks refused a batched step; running its sequences one by one");
+        for planned in plan {
+            if !self.running.iter().any(|s| s.seq_id == planned.seq_id) {
+                continue;
+            }
+            match self.run_step(std::slice::from_ref(&planned)).await {
+                Ok(()) => {}
+                Err(StepError::Refused(failure)) => self.refuse_sequence(planned.seq_id, &failure).await,
+                Err(StepError::StaleEpoch) => return,
+                Err(StepError::Group(failure)) => return self.recover(failure).await,
+                Err(StepError::Unavailable(reason)) => return self.fail_running(&Status::unavailable(reason)),
+            }
+        }
+    }
+
+    /// Fails one request with the status its step was refused with.
+    async fn refuse_sequence(&mut self, seq_id: u64, failure: &RankFailure) {
+        let Some(index) = self.running.iter().position(|s| s.seq_id == seq_id) else { return };
+        let mut seq = self.running.swap_remove(index);
+        tracing::warn!(seq_id, %failure, "the ranks refused a request; failing it alone");
+        self.model.metrics.failure("rank_refused");
+        let status = Status::new(failure.status.code(), format!("rank {} refused the request: {}", failure.rank, failure.status.message()));
+        seq.responses.fail(status);
+        self.release(std::slice::from_ref(&seq));
+        if seq.processed > 0 {
+            self.free(vec![seq.seq_id]).await;
+        }
+    }
+
+    /// A rank was lost or hung, or a collective failed. The supervisor rebuilds the group (new
+    /// epoch, shards reloaded); the sequences then resume in the new epoch (`follow_epoch`).
+    /// Past the recovery deadline, requests end with UNAVAILABLE.
+    async fn recover(&mut self, failure: RankFailure) {
+        tracing::error!(%failure, running = self.running.len(), "step failed; recovering the ranks");
+        let reason = failure.to_string();
+        if !self.supervisor.recover(self.cache_epoch, &reason).await {
+            self.fail_running(&Status::unavailable(format!(
+                "a rank failed ({reason}) and the ranks did not recover in time; retry later"
+            )));
+        }
+    }
+
+    fn fail_running(&mut self, status: &Status) {
+        for seq in &mut self.running {
             self.model.metrics.failure("rank_failure");
-            let status = Status::unavailable(format!(
+            seq.responses.fail(status.clone());
+        }
+        self.running.clear();
+        self.reserved = 0;
+        self.publish_occupancy();
+    }
+
+    /// After the group moved to a new epoch (this model's failure or another's, or the
+    /// watchdog's), the caches of the old one are gone: every running sequence resumes by
+    /// re-prefilling its prompt plus the tokens already streamed. The client sees a pause, not
+    /// an error, and the output is what it would have been (sampling draws depend only on the
+    /// seed and the token index). A sequence interrupted too often is failed.
+    fn follow_epoch(&mut self) {
+        let epoch = self.supervisor.epoch();
+        if epoch == self.cache_epoch {
+            return;
+        }
+        self.cache_epoch = epoch;
+        let (resumable, mut exhausted): (Vec<Sequence>, Vec<Sequence>) =
+            std::mem::take(&mut self.running).into_iter().partition(|s| s.processed == 0 || s.resumes < MAX_RESUMES);
+        for seq in &mut exhausted {
+            self.model.metrics.failure("rank_failure");
+            seq.responses.fail(Status::unavailable(format!(
                 "generation was interrupted by rank failures {MAX_RESUMES} times; giving up"
-            ));
-            let _ = seq.responses.send(Err(status)).await;
+            )));
         }
         self.release(&exhausted);
         self.running = resumable;
-        for seq in &mut self.running {
-            // The new epoch starts with empty caches.
+        let mut resumed = 0;
+        for seq in self.running.iter_mut().filter(|s| s.processed > 0) {
             seq.processed = 0;
             seq.resumes += 1;
+            resumed += 1;
         }
-        tracing::info!(sequences = self.running.len(), "resuming sequences after recovery");
+        tracing::info!(model = %self.model.id, epoch, resumed, "new communicator epoch; resuming sequences");
         self.publish_occupancy();
     }
 }
@@ -510,8 +631,12 @@ impl Engine {
 /// How often one sequence may be resumed after rank failures before it is failed.
 const MAX_RESUMES: u32 = 3;
 
-/// Sends the last message: whatever text was held back, the finish reason and usage.
-async fn finish(seq: &mut Sequence, reason: pb::FinishReason, metrics: &crate::metrics::CoordinatorMetrics) -> Finish {
+/// Ends the stream with what text was held back, the finish reason and usage. The last message
+/// never waits for buffer room, so a finishing stream is never cut off.
+fn finish(seq: &mut Sequence, reason: pb::FinishReason, metrics: &crate::metrics::CoordinatorMetrics) -> Finish {
+    if seq.responses.is_closed() {
+        return Finish::Cancelled;
+    }
     let tail = seq.decoder.finish();
     let mut text = String::new();
     if !seq.stop.is_stopped() {
@@ -529,11 +654,7 @@ async fn finish(seq: &mut Sequence, reason: pb::FinishReason, metrics: &crate::m
         finish_reason: reason as i32,
         usage: Some(pb::Usage { prompt_tokens: seq.prompt_len as u32, completion_tokens: seq.generated() as u32 }),
     };
-    match seq.responses.send(Ok(message)).await {
-        Ok(()) => {
-            metrics.e2e_request_latency.observe(seq.arrived.elapsed());
-            Finish::Done
-        }
-        Err(_) => Finish::Cancelled,
-    }
+    seq.responses.end(Ok(message));
+    metrics.e2e_request_latency.observe(seq.arrived.elapsed());
+    Finish::Done
 }

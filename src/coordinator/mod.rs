@@ -8,6 +8,8 @@ pub mod gguf_tokenizer;
 pub mod ranks;
 pub mod service;
 pub mod stop;
+pub mod stream;
+pub mod validation;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -17,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use tokenizers::Tokenizer;
-use tokio::sync::{Mutex, RwLock, mpsc};
+use tokio::sync::{Mutex, RwLock, mpsc, watch};
 use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
@@ -28,7 +30,7 @@ use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
 use chat_template::ChatTemplate;
 use engine::{Engine, ModelStats, NewRequest, SchedulerConfig};
-use ranks::{RankFailure, RankSet};
+use ranks::{RankFailure, RankSet, StepError};
 
 /// Health service names that follow readiness (grpc.health.v1): NOT_SERVING until every rank is
 /// initialised and the model loaded, and whenever a rank is lost. "" is the whole server.
@@ -51,6 +53,8 @@ pub struct CoordinatorOptions {
     pub init_timeout: Duration,
     /// how long a recovery may take before in-flight requests are failed with UNAVAILABLE
     pub recovery_timeout: Duration,
+    /// how long loading a model on the ranks may take in all
+    pub load_timeout: Duration,
     /// on SIGTERM, how long in-flight requests may run before the server stops anyway
     pub shutdown_grace: Duration,
     pub tokens: Tokens,
@@ -92,6 +96,8 @@ pub struct ModelHandle {
     /// the coordinator's Prometheus metrics, shared by every model
     pub metrics: Arc<CoordinatorMetrics>,
     pub submit: mpsc::Sender<NewRequest>,
+    /// set when the model is being unloaded: its step loop cancels its requests and ends
+    pub unloading: watch::Sender<bool>,
 }
 
 impl ModelHandle {
@@ -129,12 +135,13 @@ pub struct Supervisor {
     /// one step before the next.
     step_lock: Mutex<()>,
     recovering: Mutex<()>,
-    /// the rank group is initialised and has every model loaded
-    group_ok: AtomicBool,
+    /// the rank group is initialised and has every model loaded; steps wait while it is not
+    group_ok: watch::Sender<bool>,
     health: HealthReporter,
     init_timeout: Duration,
     /// how long one recovery may take before in-flight requests are failed
     recovery_timeout: Duration,
+    load_timeout: Duration,
     /// (model id, path, dtype) of every loaded model, to reload after recovery
     loaded: Mutex<Vec<(String, String, String)>>,
     /// set on SIGTERM: no new requests, health NOT_SERVING
@@ -148,7 +155,7 @@ impl Supervisor {
 
     /// Whether the rank group is up (it may still be draining).
     pub fn is_serving(&self) -> bool {
-        self.group_ok.load(Ordering::SeqCst)
+        *self.group_ok.borrow()
     }
 
     pub fn is_draining(&self) -> bool {
@@ -162,25 +169,48 @@ impl Supervisor {
     /// Records whether the group is up and publishes health: SERVING only when it is and the
     /// server is not draining.
     async fn set_group_ok(&self, ok: bool) {
-        self.group_ok.store(ok, Ordering::SeqCst);
+        self.group_ok.send_replace(ok);
         self.publish_health().await;
     }
 
     async fn publish_health(&self) {
-        let serving = self.group_ok.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst);
+        let serving = self.is_serving() && !self.draining.load(Ordering::SeqCst);
         let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
         for service in HEALTH_SERVICES {
             self.health.set_service_status(service, status).await;
         }
     }
 
+    /// Runs one step of `request.epoch`. While the group recovers, steps wait for it (for at
+    /// most the recovery timeout) rather than run against half-reloaded ranks; a step of an
+    /// epoch the group has left is not run at all.
     pub async fn step(
         &self,
         request: rank_pb::GenerateStepRequest,
         deadline: Duration,
         trace: Option<&tracing::Span>,
-    ) -> Result<rank_pb::GenerateStepResponse, RankFailure> {
-        let _guard = self.step_lock.lock().await;
+    ) -> Result<rank_pb::GenerateStepResponse, StepError> {
+        let mut group_ok = self.group_ok.subscribe();
+        let _guard = loop {
+            let serving = matches!(
+                tokio::time::timeout(self.recovery_timeout, group_ok.wait_for(|ok| *ok)).await,
+                Ok(Ok(_))
+            );
+            if !serving {
+                return Err(StepError::Unavailable(format!(
+                    "the ranks have been recovering for over {:?}; retry later",
+                    self.recovery_timeout
+                )));
+            }
+            let guard = self.step_lock.lock().await;
+            // Recovery reloads models under the step lock: check again now that it is held.
+            if self.is_serving() {
+                break guard;
+            }
+        };
+        if request.epoch != self.epoch() {
+            return Err(StepError::StaleEpoch);
+        }
         self.ranks.step(request, deadline, trace).await
     }
 
@@ -200,7 +230,7 @@ impl Supervisor {
 
     async fn load(&self, model_id: &str, path: &str, dtype: &str) -> Result<rank_pb::ShardInfo> {
         let _guard = self.step_lock.lock().await;
-        let info = match self.ranks.load(model_id, path, dtype, self.epoch()).await {
+        let info = match self.ranks.load(model_id, path, dtype, self.epoch(), self.load_timeout).await {
             Ok(info) => info,
             Err(err) => {
                 // Ranks that did load it must not keep a model the coordinator does not serve.
@@ -290,7 +320,7 @@ impl Supervisor {
         let models = self.loaded.lock().await.clone();
         for (id, path, dtype) in models {
             let _guard = self.step_lock.lock().await;
-            self.ranks.load(&id, &path, &dtype, self.epoch()).await?;
+            self.ranks.load(&id, &path, &dtype, self.epoch(), self.load_timeout).await?;
         }
         Ok(())
     }
@@ -303,6 +333,10 @@ pub struct Coordinator {
     pub default_model: RwLock<Option<String>>,
     pub scheduler: SchedulerConfig,
     pub metrics: Arc<CoordinatorMetrics>,
+    /// each model's step loop, awaited when it is unloaded
+    engines: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
+    /// loads and unloads one at a time, so they cannot interleave on the ranks
+    admin: Mutex<()>,
 }
 
 impl Coordinator {
@@ -314,7 +348,14 @@ impl Coordinator {
 
     /// Loads a model on every rank and starts its step loop.
     pub async fn load_model(&self, id: &str, path: &Path, dtype: &str) -> Result<Arc<ModelHandle>> {
-        let local = LocalModelFiles::read(path)?;
+        let _admin = self.admin.lock().await;
+        if self.models.read().await.contains_key(id) {
+            anyhow::bail!("model \"{id}\" is already loaded");
+        }
+        let local = {
+            let path = path.to_owned();
+            tokio::task::spawn_blocking(move || LocalModelFiles::read(&path)).await.context("reading the model files")??
+        };
         let path_text = path.to_str().context("model path is not valid UTF-8")?;
         let info = self.supervisor.load(id, path_text, dtype).await?;
         let (submit, requests) = mpsc::channel(1024);
@@ -332,9 +373,10 @@ impl Coordinator {
             stats: Arc::new(ModelStats::default()),
             metrics: self.metrics.clone(),
             submit,
+            unloading: watch::channel(false).0,
         });
         let engine = Engine::new(handle.clone(), self.supervisor.clone(), self.scheduler.clone(), requests);
-        tokio::spawn(engine.run());
+        self.engines.lock().await.insert(id.to_owned(), tokio::spawn(engine.run()));
         self.models.write().await.insert(id.to_owned(), handle.clone());
         let mut default = self.default_model.write().await;
         if default.is_none() {
@@ -371,17 +413,29 @@ impl Coordinator {
         }
     }
 
+    /// Unloads a model: no new requests reach it, its queued and running requests end with
+    /// UNAVAILABLE ("being unloaded"), its step loop finishes its current step and ends, and
+    /// only then do the ranks drop it, so no step of it can reach a rank that no longer holds
+    /// it. Other models are not touched.
     pub async fn unload_model(&self, id: &str) -> Result<bool> {
-        let removed = self.models.write().await.remove(id);
-        if removed.is_none() {
-            return Ok(false);
+        let _admin = self.admin.lock().await;
+        let Some(model) = self.models.write().await.remove(id) else { return Ok(false) };
+        self.supervisor.loaded.lock().await.retain(|(loaded, _, _)| loaded != id);
+        {
+            let mut default = self.default_model.write().await;
+            if default.as_deref() == Some(id) {
+                *default = self.models.read().await.keys().next().cloned();
+            }
         }
-        self.supervisor.loaded.lock().await.retain(|(model, _, _)| model != id);
-        let mut default = self.default_model.write().await;
-        if default.as_deref() == Some(id) {
-            *default = self.models.read().await.keys().next().cloned();
+        model.unloading.send_replace(true);
+        if let Some(engine) = self.engines.lock().await.remove(id) {
+            if let Err(err) = engine.await {
+                tracing::error!(model = id, error = %err, "the model's step loop failed");
+            }
         }
+        drop(model);
         self.supervisor.ranks.unload(id).await.map_err(|f| anyhow::anyhow!("{f}"))?;
+        tracing::info!(model = id, "model unloaded");
         Ok(true)
     }
 }
@@ -466,10 +520,11 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
             epoch: AtomicU64::new(0),
             step_lock: Mutex::new(()),
             recovering: Mutex::new(()),
-            group_ok: AtomicBool::new(false),
+            group_ok: watch::channel(false).0,
             health,
             init_timeout: options.init_timeout,
             recovery_timeout: options.recovery_timeout,
+            load_timeout: options.load_timeout,
             loaded: Mutex::new(Vec::new()),
             draining: AtomicBool::new(false),
         });
@@ -480,6 +535,8 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
             default_model: RwLock::new(None),
             scheduler: options.scheduler.clone(),
             metrics: metrics.clone(),
+            engines: Mutex::new(HashMap::new()),
+            admin: Mutex::new(()),
         });
         let model_id = options.model_id.clone().unwrap_or_else(|| default_model_id(&options.model));
         coordinator.load_model(&model_id, &options.model, &options.dtype).await?;

@@ -62,8 +62,7 @@ impl RankSet {
             let mut client = client.clone();
             async move {
                 let request = pb::InfoRequest { protocol_version: RANK_PROTOCOL_VERSION };
-                let info = client
-                    .info(request)
+                let info = with_deadline(INFO_DEADLINE, client.info(request))
                     .await
                     .map_err(|status| anyhow::anyhow!("rank at {address}: {}", status.message()))?
                     .into_inner();
@@ -84,8 +83,7 @@ impl RankSet {
     pub async fn bootstrap(&self, epoch: u64, timeout: Duration) -> Result<()> {
         let started = Instant::now();
         let mut rank0 = self.clients[0].clone();
-        let comm_id = rank0
-            .create_comm_id(pb::CreateCommIdRequest { epoch })
+        let comm_id = with_deadline(CONTROL_DEADLINE, rank0.create_comm_id(pb::CreateCommIdRequest { epoch }))
             .await
             .map_err(|s| anyhow::anyhow!("rank 0 could not create a communicator id: {}", s.message()))?
             .into_inner()
@@ -101,9 +99,9 @@ impl RankSet {
                 timeout_ms: timeout.as_millis() as u32,
             };
             let address = &self.addresses[rank];
+            // Init blocks on the rank until every rank has joined, for at most `timeout`.
             async move {
-                client
-                    .init(request)
+                with_deadline(timeout + CONTROL_DEADLINE, client.init(request))
                     .await
                     .map_err(|s| anyhow::anyhow!("rank {rank} at {address} failed to init: {}", s.message()))
             }
@@ -114,7 +112,7 @@ impl RankSet {
     }
 
     /// Loads a model on every rank, logging the slowest rank's progress.
-    pub async fn load(&self, model_id: &str, path: &str, dtype: &str, epoch: u64) -> Result<pb::ShardInfo> {
+    pub async fn load(&self, model_id: &str, path: &str, dtype: &str, epoch: u64, load_timeout: Duration) -> Result<pb::ShardInfo> {
         let progress = Arc::new(LoadMeter::new(self.world_size()));
         let reporter = tokio::spawn(progress.clone().report(path.to_owned()));
         let calls = self.clients.iter().enumerate().map(|(rank, client)| {
@@ -126,22 +124,31 @@ impl RankSet {
                 dtype: dtype.to_owned(),
                 epoch,
             };
+            // A rank reports progress every 250 ms while it loads: silence means it is stuck or
+            // gone, however long the whole load may take.
             async move {
-                let mut stream = client
-                    .load_shard(request)
+                let mut stream = with_deadline(LOAD_STALL_DEADLINE, client.load_shard(request))
                     .await
                     .map_err(|s| anyhow::anyhow!("rank {rank}: {}", s.message()))?
                     .into_inner();
-                while let Some(message) = stream.message().await.map_err(|s| anyhow::anyhow!("rank {rank}: {}", s.message()))? {
+                loop {
+                    let message = match tokio::time::timeout(LOAD_STALL_DEADLINE, stream.message()).await {
+                        Ok(Ok(Some(message))) => message,
+                        Ok(Ok(None)) => bail!("rank {rank} closed the load stream before finishing"),
+                        Ok(Err(status)) => bail!("rank {rank}: {}", status.message()),
+                        Err(_) => bail!("rank {rank} reported no load progress for {LOAD_STALL_DEADLINE:?}"),
+                    };
                     progress.update(rank, &message);
                     if message.done {
                         return message.shard.with_context(|| format!("rank {rank} finished loading without shard info"));
                     }
                 }
-                bail!("rank {rank} closed the load stream before finishing")
             }
         });
-        let result = try_join_all(calls).await;
+        let result = match tokio::time::timeout(load_timeout, try_join_all(calls)).await {
+            Ok(result) => result,
+            Err(_) => Err(anyhow::anyhow!("the ranks did not finish loading within {load_timeout:?} (--load-timeout-secs)")),
+        };
         reporter.abort();
         progress.finish(result.is_ok());
         let infos = result.with_context(|| format!("loading {path}"))?;
@@ -153,13 +160,14 @@ impl RankSet {
     }
 
     /// One step on every rank; returns rank 0's answer (the sampled tokens). Every rank's reply
-    /// is awaited, so no rank can fall a step behind.
+    /// (or its deadline) is awaited, so no rank can fall a step behind, and the failure is
+    /// classified from all of them (see [`StepError`]).
     pub async fn step(
         &self,
         request: pb::GenerateStepRequest,
         deadline: Duration,
         trace: Option<&tracing::Span>,
-    ) -> Result<pb::GenerateStepResponse, RankFailure> {
+    ) -> Result<pb::GenerateStepResponse, StepError> {
         let calls = self.clients.iter().enumerate().map(|(rank, client)| {
             let mut client = client.clone();
             let mut request = tonic::Request::new(request.clone());
@@ -168,35 +176,48 @@ impl RankSet {
                 crate::telemetry::inject(span, request.metadata_mut());
             }
             async move {
-                match tokio::time::timeout(deadline, client.generate_step(request)).await {
-                    Ok(Ok(response)) => Ok(response.into_inner()),
-                    Ok(Err(status)) => Err(RankFailure { rank, status }),
-                    Err(_) => Err(RankFailure {
-                        rank,
-                        status: tonic::Status::deadline_exceeded(format!("no answer within {deadline:?}")),
-                    }),
-                }
+                with_deadline(deadline, client.generate_step(request))
+                    .await
+                    .map(tonic::Response::into_inner)
+                    .map_err(|status| RankFailure { rank, status })
             }
         });
-        let mut responses = try_join_all(calls).await?;
-        Ok(responses.swap_remove(0))
+        let mut results = futures::future::join_all(calls).await;
+        if results.iter().all(Result::is_ok) {
+            return results.swap_remove(0).map_err(StepError::Group);
+        }
+        let failures: Vec<RankFailure> = results.into_iter().filter_map(Result::err).collect();
+        Err(StepError::classify(failures, self.world_size()))
     }
 
     pub async fn clear_kv(&self, request: pb::ClearKvRequest) -> Result<pb::ClearKvResponse, RankFailure> {
         let calls = self.clients.iter().enumerate().map(|(rank, client)| {
             let mut client = client.clone();
             let request = request.clone();
-            async move { client.clear_kv(request).await.map(|r| r.into_inner()).map_err(|status| RankFailure { rank, status }) }
+            async move {
+                with_deadline(CONTROL_DEADLINE, client.clear_kv(request))
+                    .await
+                    .map(tonic::Response::into_inner)
+                    .map_err(|status| RankFailure { rank, status })
+            }
         });
         let mut responses = try_join_all(calls).await?;
         Ok(responses.swap_remove(0))
     }
 
+    /// Unloads a model from every rank; a rank that does not hold it (it restarted since) is
+    /// already where unloading would leave it.
     pub async fn unload(&self, model_id: &str) -> Result<(), RankFailure> {
         let calls = self.clients.iter().enumerate().map(|(rank, client)| {
             let mut client = client.clone();
             let request = pb::UnloadRequest { model_id: model_id.to_owned() };
-            async move { client.unload(request).await.map(|_| ()).map_err(|status| RankFailure { rank, status }) }
+            async move {
+                match with_deadline(CONTROL_DEADLINE, client.unload(request)).await {
+                    Ok(_) => Ok(()),
+                    Err(status) if status.code() == tonic::Code::NotFound => Ok(()),
+                    Err(status) => Err(RankFailure { rank, status }),
+                }
+            }
         });
         try_join_all(calls).await?;
         Ok(())
@@ -303,6 +324,15 @@ pub struct RankFailure {
     pub status: tonic::Status,
 }
 
+impl RankFailure {
+    /// Whether the rank refused the call because of what it asked (so nothing ran and the
+    /// group is intact), rather than failing to run it.
+    fn is_refusal(&self) -> bool {
+        use tonic::Code;
+        matches!(self.status.code(), Code::InvalidArgument | Code::OutOfRange | Code::NotFound | Code::AlreadyExists)
+    }
+}
+
 impl std::fmt::Display for RankFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "rank {}: {:?}: {}", self.rank, self.status.code(), self.status.message())
@@ -310,6 +340,92 @@ impl std::fmt::Display for RankFailure {
 }
 
 impl std::error::Error for RankFailure {}
+
+/// Why a step did not produce tokens, and so how far the failure reaches.
+#[derive(Debug)]
+pub enum StepError {
+    /// Every rank refused the step before running it (INVALID_ARGUMENT, OUT_OF_RANGE,
+    /// NOT_FOUND): one of its requests is at fault, the group and its caches are intact.
+    Refused(RankFailure),
+    /// A rank was lost or hung, a collective failed, or the ranks disagree: the group must
+    /// recover before it can run another step.
+    Group(RankFailure),
+    /// The group moved to a newer epoch before the step ran; the caches it assumed are gone.
+    StaleEpoch,
+    /// The group is recovering and did not come back in time.
+    Unavailable(String),
+}
+
+impl StepError {
+    /// A refusal only counts as one when every rank refused: a rank that ran the step while
+    /// another refused it is stuck in (or failed) a collective.
+    fn classify(mut failures: Vec<RankFailure>, world_size: usize) -> Self {
+        if failures.len() == world_size && failures.iter().all(RankFailure::is_refusal) {
+            return StepError::Refused(failures.swap_remove(0));
+        }
+        let first_group = failures.iter().position(|f| !f.is_refusal()).unwrap_or(0);
+        StepError::Group(failures.swap_remove(first_group))
+    }
+}
+
+impl std::fmt::Display for StepError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StepError::Refused(failure) => write!(f, "refused by {failure}"),
+            StepError::Group(failure) => failure.fmt(f),
+            StepError::StaleEpoch => f.write_str("the rank group moved to a new epoch"),
+            StepError::Unavailable(reason) => f.write_str(reason),
+        }
+    }
+}
+
+/// Most calls to a rank answer at once; these bound how long a hung rank can hold one up.
+const INFO_DEADLINE: Duration = Duration::from_secs(10);
+/// ClearKv, Unload, CreateCommId, and the margin on top of Init's own timeout.
+const CONTROL_DEADLINE: Duration = Duration::from_secs(30);
+/// Longest silence on a LoadShard progress stream (the rank reports every 250 ms).
+const LOAD_STALL_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Runs a rank call for at most `deadline`; past it, DEADLINE_EXCEEDED.
+async fn with_deadline<T>(
+    deadline: Duration,
+    call: impl std::future::Future<Output = Result<T, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    match tokio::time::timeout(deadline, call).await {
+        Ok(result) => result,
+        Err(_) => Err(tonic::Status::deadline_exceeded(format!("no answer within {deadline:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Status;
+
+    fn failure(rank: usize, status: Status) -> RankFailure {
+        RankFailure { rank, status }
+    }
+
+    #[test]
+    fn only_a_refusal_by_every_rank_is_a_refusal() {
+        let refused = StepError::classify(
+            vec![failure(0, Status::invalid_argument("bad")), failure(1, Status::not_found("gone"))],
+            2,
+        );
+        assert!(matches!(refused, StepError::Refused(RankFailure { rank: 0, .. })), "{refused:?}");
+        // One rank ran it: the other refusing leaves that one stuck in a collective.
+        let partial = StepError::classify(vec![failure(1, Status::invalid_argument("bad"))], 2);
+        assert!(matches!(partial, StepError::Group(_)), "{partial:?}");
+        let lost = StepError::classify(
+            vec![failure(0, Status::invalid_argument("bad")), failure(1, Status::unavailable("collective failed"))],
+            2,
+        );
+        assert!(matches!(lost, StepError::Group(RankFailure { rank: 1, .. })), "{lost:?}");
+        for status in [Status::deadline_exceeded("hung"), Status::internal("worker"), Status::failed_precondition("epoch")] {
+            assert!(matches!(StepError::classify(vec![failure(0, status)], 1), StepError::Group(_)));
+        }
+    }
+}
 
 async fn connect_one(address: &Address, patience: Duration, token: AttachToken, tls: Option<&ClientTls>) -> Result<Client> {
     let started = Instant::now();

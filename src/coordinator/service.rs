@@ -5,25 +5,19 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use super::chat_template::ChatMessage;
-use super::engine::NewRequest;
+use super::validation::{RequestLimits, Validator};
 use super::{Coordinator, ModelHandle};
 use crate::auth::RequireToken;
-use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
 use crate::proto::v1::admin_server::{Admin, AdminServer};
 use crate::proto::v1::generator_server::{Generator, GeneratorServer};
-use crate::rank::sampling::SamplingParams;
 
 type CoordinatorCell = watch::Receiver<Option<Arc<Coordinator>>>;
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
-
-/// At most this many alternatives per token, as in OpenAI's API.
-const MAX_TOP_LOGPROBS: u32 = 20;
 
 /// Limits the tower layers enforce on every RPC of the public server.
 #[derive(Debug, Clone)]
@@ -32,13 +26,24 @@ pub struct RpcLimits {
     pub max_concurrent_rpcs: usize,
     /// bound on producing a response: the whole of a unary call, the start of a stream
     pub request_timeout: std::time::Duration,
+    /// bounds on what one request may carry
+    pub request: RequestLimits,
 }
 
 impl Default for RpcLimits {
     fn default() -> Self {
-        Self { max_concurrent_rpcs: 1024, request_timeout: std::time::Duration::from_secs(600) }
+        Self {
+            max_concurrent_rpcs: 1024,
+            request_timeout: std::time::Duration::from_secs(600),
+            request: RequestLimits::default(),
+        }
     }
 }
+
+/// HTTP/2 PINGs on idle public connections find clients that vanished without closing (a
+/// dead host, a dropped NAT entry), so their streams are cancelled and their sequences freed.
+const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Serves health, reflection (v1 and v1alpha), Generator and Admin, behind load shedding, a
 /// concurrency limit and a timeout, until `shutdown` resolves.
@@ -66,7 +71,9 @@ pub async fn serve(
     // pending) disconnects an ordinary client that cancels a few streams in a row.
     let mut builder = tonic::transport::Server::builder()
         .http2_max_pending_accept_reset_streams(Some(1024))
-        .http2_max_local_error_reset_streams(Some(4096));
+        .http2_max_local_error_reset_streams(Some(4096))
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT));
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }
@@ -76,7 +83,7 @@ pub async fn serve(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(GeneratorServer::with_interceptor(
-            GeneratorService { coordinator: coordinator.clone() },
+            GeneratorService { coordinator: coordinator.clone(), validator: Arc::new(Validator::new(limits.request.clone())) },
             RequireToken::api(tokens.api),
         ))
         .add_service(AdminServer::with_interceptor(AdminService { coordinator }, RequireToken::admin(tokens.admin)))
@@ -111,6 +118,33 @@ async fn find_model(coordinator: &Coordinator, id: &str) -> Result<Arc<ModelHand
 
 pub struct GeneratorService {
     coordinator: CoordinatorCell,
+    validator: Arc<Validator>,
+}
+
+impl GeneratorService {
+    /// Queues a validated prompt; counts requests refused as invalid.
+    async fn start(
+        &self,
+        model: &Arc<ModelHandle>,
+        prompt_ids: Result<Vec<u32>, Status>,
+        params: Option<pb::GenerationParams>,
+        deadline: Option<std::time::Instant>,
+        span: tracing::Span,
+    ) -> Result<Response<ResponseStream>, Status> {
+        let result = match prompt_ids {
+            Ok(ids) => self.validator.queue(model, ids, params.unwrap_or_default(), deadline, span).await,
+            Err(status) => Err(status),
+        };
+        match result {
+            Ok(stream) => Ok(Response::new(Box::pin(stream))),
+            Err(status) => {
+                if matches!(status.code(), tonic::Code::InvalidArgument | tonic::Code::OutOfRange) {
+                    model.metrics.failure("invalid_request");
+                }
+                Err(status)
+            }
+        }
+    }
 }
 
 #[tonic::async_trait]
@@ -125,12 +159,12 @@ impl Generator for GeneratorService {
         let request = request.into_inner();
         let model = find_model(&coordinator, &request.model).await?;
         let prompt_ids = match (request.prompt.is_empty(), request.prompt_ids.is_empty()) {
-            (false, false) => return Err(Status::invalid_argument("give either prompt or prompt_ids, not both")),
-            (true, true) => return Err(Status::invalid_argument("the prompt is empty: give prompt text or prompt_ids")),
-            (false, true) => encode(&model, &request.prompt, true)?,
-            (true, false) => request.prompt_ids,
+            (false, false) => Err(Status::invalid_argument("give either prompt or prompt_ids, not both")),
+            (true, true) => Err(Status::invalid_argument("the prompt is empty: give prompt text or prompt_ids")),
+            (false, true) => self.validator.encode_prompt(&model, request.prompt, true).await,
+            (true, false) => Ok(request.prompt_ids),
         };
-        start(&model, prompt_ids, request.params.unwrap_or_default(), deadline, span).await
+        self.start(&model, prompt_ids, request.params, deadline, span).await
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<ResponseStream>, Status> {
@@ -139,34 +173,15 @@ impl Generator for GeneratorService {
         let span = request_span("chat", request.metadata());
         let request = request.into_inner();
         let model = find_model(&coordinator, &request.model).await?;
-        if request.messages.is_empty() {
-            return Err(Status::invalid_argument("messages is empty: give at least one message"));
-        }
-        let template = model.chat_template.as_ref().ok_or_else(|| {
-            Status::failed_precondition(format!("model \"{}\" has no chat template; use Generate", model.id))
-        })?;
-        let messages: Vec<ChatMessage> =
-            request.messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
-        let prompt = template
-            .render(&messages, true)
-            .map_err(|err| Status::invalid_argument(format!("cannot render the chat template: {err:#}")))?;
-        // The template already wrote any special tokens the model expects.
-        let prompt_ids = encode(&model, &prompt, false)?;
-        start(&model, prompt_ids, request.params.unwrap_or_default(), deadline, span).await
+        let prompt_ids = self.validator.encode_chat(&model, request.messages).await;
+        self.start(&model, prompt_ids, request.params, deadline, span).await
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
         let coordinator = ready(&self.coordinator)?;
         let request = request.into_inner();
         let model = find_model(&coordinator, &request.model).await?;
-        let encoding = model
-            .tokenizer
-            .encode(request.text.as_str(), request.add_special_tokens)
-            .map_err(|err| Status::invalid_argument(format!("cannot tokenize: {err}")))?;
-        Ok(Response::new(pb::TokenizeResponse {
-            ids: encoding.get_ids().to_vec(),
-            tokens: encoding.get_tokens().to_vec(),
-        }))
+        Ok(Response::new(self.validator.tokenize(&model, request.text, request.add_special_tokens).await?))
     }
 
     async fn model_info(&self, request: Request<pb::ModelInfoRequest>) -> Result<Response<pb::ModelInfoResponse>, Status> {
@@ -174,17 +189,6 @@ impl Generator for GeneratorService {
         let model = find_model(&coordinator, &request.get_ref().model).await?;
         Ok(Response::new(model.info(coordinator.supervisor.tp_size())))
     }
-}
-
-fn encode(model: &ModelHandle, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, Status> {
-    let encoding = model
-        .tokenizer
-        .encode(text, add_special_tokens)
-        .map_err(|err| Status::invalid_argument(format!("cannot tokenize the prompt: {err}")))?;
-    if encoding.get_ids().is_empty() {
-        return Err(Status::invalid_argument("the prompt encodes to no tokens"));
-    }
-    Ok(encoding.get_ids().to_vec())
 }
 
 /// The deadline a client set with grpc-timeout ("<digits><unit>", unit one of H M S m u n).
@@ -209,132 +213,6 @@ fn request_span(method: &'static str, metadata: &tonic::metadata::MetadataMap) -
     let span = tracing::info_span!("request", otel.name = method, model = tracing::field::Empty);
     crate::telemetry::set_parent_from(&span, metadata);
     span
-}
-
-/// Validates a request against the model and queues it; the stream carries its tokens.
-async fn start(
-    model: &Arc<ModelHandle>,
-    prompt_ids: Vec<u32>,
-    params: pb::GenerationParams,
-    deadline: Option<std::time::Instant>,
-    span: tracing::Span,
-) -> Result<Response<ResponseStream>, Status> {
-    let result = validate_and_queue(model, prompt_ids, params, deadline, span).await;
-    if let Err(status) = &result {
-        if status.code() == tonic::Code::InvalidArgument || status.code() == tonic::Code::OutOfRange {
-            model.metrics.failure("invalid_request");
-        }
-    }
-    result
-}
-
-async fn validate_and_queue(
-    model: &Arc<ModelHandle>,
-    prompt_ids: Vec<u32>,
-    params: pb::GenerationParams,
-    deadline: Option<std::time::Instant>,
-    span: tracing::Span,
-) -> Result<Response<ResponseStream>, Status> {
-    let vocab_size = model.config.vocab_size;
-    if let Some(bad) = prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
-        return Err(Status::invalid_argument(format!(
-            "prompt token id {bad} is outside the vocabulary (ids must be below {vocab_size})"
-        )));
-    }
-    let context = model.max_context;
-    if prompt_ids.len() >= context {
-        return Err(Status::out_of_range(format!(
-            "the prompt has {} tokens but the model's context is {context}: shorten it to at most {} tokens",
-            prompt_ids.len(),
-            context - 1
-        )));
-    }
-    let room = context - prompt_ids.len();
-    let max_tokens = match params.max_tokens {
-        Some(0) => return Err(Status::invalid_argument("max_tokens must be at least 1")),
-        Some(n) if n as usize > context => {
-            return Err(Status::out_of_range(format!(
-                "max_tokens {n} exceeds the model's context of {context} tokens"
-            )));
-        }
-        // Generation also stops at the context length, reported as such.
-        Some(n) => (n as usize).min(room),
-        None => room.min(model.kv_capacity_tokens.saturating_sub(prompt_ids.len())).max(1),
-    };
-    let need = prompt_ids.len() + max_tokens;
-    if need > model.kv_capacity_tokens {
-        return Err(Status::out_of_range(format!(
-            "the prompt ({} tokens) plus max_tokens ({max_tokens}) needs {need} tokens of KV cache, \
-             but the ranks hold {}; lower max_tokens or shorten the prompt",
-            prompt_ids.len(),
-            model.kv_capacity_tokens
-        )));
-    }
-    let sampling = sampling_params(&params, vocab_size)?;
-    super::stop::validate(&params.stop).map_err(Status::invalid_argument)?;
-    let (responses, receiver) = mpsc::channel(256);
-    // Refuse at once rather than queue without bound: the client can back off or go elsewhere.
-    let waiting = model.stats.waiting.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if waiting >= model.max_waiting as u64 {
-        model.stats.waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        model.metrics.failure("queue_full");
-        return Err(Status::resource_exhausted(format!(
-            "the server is at capacity: {waiting} requests are already waiting for model \"{}\"; retry later",
-            model.id
-        )));
-    }
-    span.record("model", model.id.as_str());
-    let queue_span = tracing::info_span!(parent: &span, "queue");
-    let request = NewRequest {
-        span,
-        queue_span,
-        arrived: std::time::Instant::now(),
-        deadline,
-        prompt_ids,
-        sampling,
-        max_tokens,
-        stop: params.stop,
-        ignore_eos: params.ignore_eos,
-        responses,
-    };
-    model.stats.requests_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    if model.submit.send(request).await.is_err() {
-        model.stats.waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        return Err(Status::unavailable(format!("model \"{}\" is being unloaded", model.id)));
-    }
-    Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
-}
-
-/// API defaults follow OpenAI's: temperature 1, no truncation, no penalties, a random seed.
-fn sampling_params(params: &pb::GenerationParams, vocab_size: usize) -> Result<rank_pb::SamplingParams, Status> {
-    let checked = SamplingParams {
-        temperature: params.temperature.unwrap_or(1.0),
-        top_k: params.top_k.unwrap_or(0),
-        top_p: params.top_p.unwrap_or(1.0),
-        min_p: params.min_p.unwrap_or(0.0),
-        repetition_penalty: params.repetition_penalty.unwrap_or(1.0),
-        presence_penalty: params.presence_penalty.unwrap_or(0.0),
-        frequency_penalty: params.frequency_penalty.unwrap_or(0.0),
-        seed: params.seed.unwrap_or_else(rand::random),
-        top_logprobs: params.top_logprobs,
-    };
-    checked.validate(vocab_size).map_err(Status::invalid_argument)?;
-    if params.top_logprobs > MAX_TOP_LOGPROBS {
-        return Err(Status::invalid_argument(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}")));
-    }
-    Ok(rank_pb::SamplingParams {
-        temperature: checked.temperature,
-        top_k: checked.top_k,
-        top_p: checked.top_p,
-        min_p: checked.min_p,
-        repetition_penalty: checked.repetition_penalty,
-        presence_penalty: checked.presence_penalty,
-        frequency_penalty: checked.frequency_penalty,
-        seed: checked.seed,
-        top_logprobs: checked.top_logprobs,
-        logprobs: params.logprobs || params.top_logprobs > 0,
-        suppressed_token_ids: Vec::new(),
-    })
 }
 
 pub struct AdminService {

@@ -5,16 +5,44 @@
 //! detokenizer already resolves into whole characters). Once a piece of text has been streamed it
 //! cannot be taken back, so the matcher holds back exactly the tail that could still grow into a
 //! stop string, and releases it as soon as it is known not to.
+//!
+//! The stop strings of a request become one Aho-Corasick automaton, walked byte by byte as the
+//! text arrives: a push costs time proportional to the new text, whatever the number of stop
+//! strings, and the state's depth is the length of the tail to hold back. A request with many
+//! long stop strings therefore cannot slow the step loop down for everyone else.
+
+use std::sync::Arc;
+
+/// Bounds on a request's stop strings, checked before it is admitted.
+#[derive(Debug, Clone, Copy)]
+pub struct StopLimits {
+    pub max_count: usize,
+    pub max_bytes: usize,
+}
 
 /// Checks client-supplied stop strings before a request is admitted.
 ///
 /// An empty stop string would match at every position and end generation before the first
 /// character, which is never what a client means; rejecting it up front gives a clear error
 /// instead of a silently empty completion.
-pub fn validate(stops: &[String]) -> Result<(), String> {
+pub fn validate(stops: &[String], limits: StopLimits) -> Result<(), String> {
+    if stops.len() > limits.max_count {
+        return Err(format!(
+            "{} stop sequences given; at most {} are allowed (--max-stop-sequences)",
+            stops.len(),
+            limits.max_count
+        ));
+    }
     for (i, stop) in stops.iter().enumerate() {
         if stop.is_empty() {
             return Err(format!("stop sequence {i} is empty; stop sequences must contain at least one character"));
+        }
+        if stop.len() > limits.max_bytes {
+            return Err(format!(
+                "stop sequence {i} is {} bytes long; at most {} bytes are allowed (--max-stop-bytes)",
+                stop.len(),
+                limits.max_bytes
+            ));
         }
     }
     Ok(())
@@ -31,26 +59,115 @@ pub struct StopOutcome {
     pub stopped: bool,
 }
 
+/// The stop strings of one request as an Aho-Corasick automaton over bytes.
+#[derive(Debug)]
+pub struct StopSet {
+    /// node 0 is the root (the empty prefix)
+    nodes: Vec<Node>,
+}
+
+#[derive(Debug, Default)]
+struct Node {
+    /// (byte, child) sorted by byte
+    children: Vec<(u8, u32)>,
+    /// the node of the longest proper suffix of this prefix that is also a prefix of a stop
+    fail: u32,
+    /// length of this prefix
+    depth: u32,
+    /// length of the longest stop string that ends here (this prefix or one of its suffixes), 0
+    /// when none does
+    matched: u32,
+}
+
+impl StopSet {
+    /// Empty strings are ignored: [`validate`] rejects them before admission, and ignoring keeps
+    /// the automaton total even if a caller skips validation.
+    pub fn new(stops: &[String]) -> Self {
+        let mut nodes = vec![Node::default()];
+        for stop in stops.iter().filter(|s| !s.is_empty()) {
+            let mut at = 0usize;
+            for &byte in stop.as_bytes() {
+                at = match nodes[at].children.binary_search_by_key(&byte, |&(b, _)| b) {
+                    Ok(i) => nodes[at].children[i].1 as usize,
+                    Err(i) => {
+                        let child = nodes.len();
+                        let depth = nodes[at].depth + 1;
+                        nodes.push(Node { depth, ..Node::default() });
+                        nodes[at].children.insert(i, (byte, child as u32));
+                        child
+                    }
+                };
+            }
+            nodes[at].matched = nodes[at].depth;
+        }
+        let mut set = Self { nodes };
+        set.link();
+        set
+    }
+
+    /// Failure links in breadth-first order, so a node's failure target is always finished
+    /// before the node itself.
+    fn link(&mut self) {
+        let mut queue = std::collections::VecDeque::from([0u32]);
+        while let Some(parent) = queue.pop_front() {
+            let children = self.nodes[parent as usize].children.clone();
+            for (byte, child) in children {
+                let fail = if parent == 0 { 0 } else { self.next(self.nodes[parent as usize].fail, byte) };
+                let inherited = self.nodes[fail as usize].matched;
+                let node = &mut self.nodes[child as usize];
+                node.fail = fail;
+                node.matched = node.matched.max(inherited);
+                queue.push_back(child);
+            }
+        }
+    }
+
+    fn child(&self, node: u32, byte: u8) -> Option<u32> {
+        let children = &self.nodes[node as usize].children;
+        children.binary_search_by_key(&byte, |&(b, _)| b).ok().map(|i| children[i].1)
+    }
+
+    /// The state after reading `byte` in state `node`.
+    fn next(&self, mut node: u32, byte: u8) -> u32 {
+        loop {
+            if let Some(child) = self.child(node, byte) {
+                return child;
+            }
+            if node == 0 {
+                return 0;
+            }
+            node = self.nodes[node as usize].fail;
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.len() == 1
+    }
+}
+
 /// Per-sequence matcher for stop strings.
 ///
-/// The held-back buffer never grows beyond the longest stop string (minus one byte) plus the
-/// current delta, so each push costs O((held + delta) * number of stops) regardless of how
-/// long the generation has been running.
+/// A stop string ends generation as soon as it is complete; of several completing at the same
+/// character, the longest wins (its text starts earliest). This does not depend on how the text
+/// was split into deltas. The held-back buffer is always shorter than the longest stop string.
 #[derive(Debug, Clone)]
 pub struct StopMatcher {
-    stops: Vec<String>,
-    /// Text received but not yet emitted because its tail could be the start of a stop string.
+    stops: Arc<StopSet>,
+    /// automaton state after all text pushed so far
+    state: u32,
+    /// Text received but not yet emitted because it could be the start of a stop string: the
+    /// last `depth(state)` bytes of the text.
     held: String,
     stopped: bool,
 }
 
 impl StopMatcher {
-    /// Empty stop strings are dropped here (rather than failing) because construction happens
-    /// after admission, where [`validate`] has already rejected them; dropping keeps the matcher
-    /// total even if a caller skips validation.
     pub fn new(stops: Vec<String>) -> Self {
-        let stops = stops.into_iter().filter(|s| !s.is_empty()).collect();
-        Self { stops, held: String::new(), stopped: false }
+        Self::with_set(Arc::new(StopSet::new(&stops)))
+    }
+
+    pub fn with_set(stops: Arc<StopSet>) -> Self {
+        Self { stops, state: 0, held: String::new(), stopped: false }
     }
 
     /// Whether a stop string has already matched; later pushes then emit nothing.
@@ -67,52 +184,35 @@ impl StopMatcher {
             // Nothing can ever be held back; skip the buffer entirely.
             return StopOutcome { emit: delta.to_owned(), stopped: false };
         }
+        let base = self.held.len();
         self.held.push_str(delta);
-
-        // The earliest complete match wins: text before it is what the client would have seen
-        // had the stop string arrived in one delta.
-        let earliest = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(pos) = earliest {
-            let emit = self.held[..pos].to_owned();
-            self.held.clear();
-            self.stopped = true;
-            return StopOutcome { emit, stopped: true };
+        for (i, byte) in delta.bytes().enumerate() {
+            self.state = self.stops.next(self.state, byte);
+            let matched = self.stops.nodes[self.state as usize].matched as usize;
+            if matched > 0 {
+                // The match lies inside `held`, which always covers the automaton's depth. A stop
+                // string starts with a whole character, so `start` is a character boundary.
+                let start = base + i + 1 - matched;
+                let emit = self.held[..start].to_owned();
+                self.held.clear();
+                self.stopped = true;
+                return StopOutcome { emit, stopped: true };
+            }
         }
-
-        let keep_from = self.hold_start();
-        let emit = self.held[..keep_from].to_owned();
-        self.held.drain(..keep_from);
+        // Hold the longest tail that is a prefix of a stop string (the state's depth); it starts
+        // at a character boundary for the same reason.
+        let keep = self.stops.nodes[self.state as usize].depth as usize;
+        let cut = self.held.len() - keep;
+        let emit = self.held[..cut].to_owned();
+        self.held.drain(..cut);
         StopOutcome { emit, stopped: false }
     }
 
     /// Releases whatever is still held when generation ends for another reason (EOS, length):
     /// a partial stop string at the very end is ordinary output.
     pub fn finish(&mut self) -> String {
+        self.state = 0;
         std::mem::take(&mut self.held)
-    }
-
-    /// Byte offset in `held` from which the tail is a proper prefix of some stop string; the
-    /// buffer length when no tail qualifies.
-    ///
-    /// Only char boundaries are candidates, so the later slicing can never split a character.
-    /// Scanning from the front returns the longest such tail, which is required: a shorter
-    /// tail could also match, but releasing the longer one could release the start of a stop.
-    fn hold_start(&self) -> usize {
-        let bytes = self.held.as_bytes();
-        let max_stop = self.stops.iter().map(String::len).max().unwrap_or(0);
-        // A full match was ruled out by the caller, so only tails shorter than the longest
-        // stop string can still become one.
-        let lower = bytes.len().saturating_sub(max_stop.saturating_sub(1));
-        for (start, _) in self.held.char_indices() {
-            if start < lower {
-                continue;
-            }
-            let tail = &bytes[start..];
-            if self.stops.iter().any(|s| s.as_bytes().starts_with(tail)) {
-                return start;
-            }
-        }
-        bytes.len()
     }
 }
 
@@ -240,14 +340,89 @@ mod tests {
         assert_eq!(rest, "z");
     }
 
+    const LIMITS: StopLimits = StopLimits { max_count: 4, max_bytes: 8 };
+
     #[test]
     fn validate_rejects_empty() {
-        assert!(validate(&[]).is_ok());
-        assert!(validate(&["a".into(), "\n".into()]).is_ok());
-        let err = validate(&["a".into(), String::new()]).unwrap_err();
+        assert!(validate(&[], LIMITS).is_ok());
+        assert!(validate(&["a".into(), "\n".into()], LIMITS).is_ok());
+        let err = validate(&["a".into(), String::new()], LIMITS).unwrap_err();
         assert!(err.contains("stop sequence 1 is empty"), "{err}");
         // Empty entries are ignored by the matcher itself.
         let mut m = StopMatcher::new(vec![String::new()]);
         assert_eq!(m.push("abc"), StopOutcome { emit: "abc".into(), stopped: false });
+    }
+
+    #[test]
+    fn validate_names_the_limits() {
+        let many: Vec<String> = (0..5).map(|i| i.to_string()).collect();
+        let err = validate(&many, LIMITS).unwrap_err();
+        assert!(err.contains("5 stop sequences") && err.contains("at most 4") && err.contains("--max-stop-sequences"), "{err}");
+        let err = validate(&["123456789".into()], LIMITS).unwrap_err();
+        assert!(err.contains("9 bytes") && err.contains("at most 8") && err.contains("--max-stop-bytes"), "{err}");
+    }
+
+    #[test]
+    fn the_first_stop_to_complete_wins_whatever_the_split() {
+        // "bcd" completes before "abcde" does.
+        let (out, stopped, _) = run(&["abcde", "bcd"], &["abcde"]);
+        assert_eq!((out.as_str(), stopped), ("a", true));
+        let (out, stopped, _) = run(&["abcde", "bcd"], &["ab", "c", "de"]);
+        assert_eq!((out.as_str(), stopped), ("a", true));
+        // Two complete at the same character: the longer one (starting earlier) wins.
+        let (out, stopped, _) = run(&["cd", "bcd"], &["abcdef"]);
+        assert_eq!((out.as_str(), stopped), ("a", true));
+        // A stop inside another's failed attempt, through a failure link.
+        let (out, stopped, _) = run(&["abx", "bc"], &["a", "b", "c"]);
+        assert_eq!((out.as_str(), stopped), ("a", true));
+    }
+
+    /// Every split of every text gives what a plain search over the whole text gives.
+    #[test]
+    fn agrees_with_a_plain_search_on_every_split() {
+        fn reference(stops: &[&str], text: &str) -> (String, bool) {
+            // earliest end; at equal ends, the longest
+            let mut best: Option<(usize, usize)> = None;
+            for stop in stops {
+                for (start, _) in text.match_indices(stop) {
+                    let end = start + stop.len();
+                    if best.is_none_or(|(e, s)| end < e || (end == e && start < s)) {
+                        best = Some((end, start));
+                    }
+                }
+            }
+            match best {
+                Some((_, start)) => (text[..start].to_owned(), true),
+                None => (text.to_owned(), false),
+            }
+        }
+        let stops = ["aab", "ab", "bab", "é!", "ba"];
+        let texts = ["xxaabab", "abba", "aaab", "é!é", "bbbb", "aé!x", "zzzz"];
+        for text in texts {
+            let chars: Vec<(usize, char)> = text.char_indices().collect();
+            let boundary = |k: usize| chars.get(k).map_or(text.len(), |&(i, _)| i);
+            for first in 0..=chars.len() {
+                for second in first..=chars.len() {
+                    let (a, b) = (boundary(first), boundary(second));
+                    let (out, stopped, rest) = run(&stops, &[&text[..a], &text[a..b], &text[b..]]);
+                    let full = if stopped { out.clone() } else { format!("{out}{rest}") };
+                    assert_eq!((full, stopped), reference(&stops, text), "text {text:?} split at {a} and {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn many_long_stops_stream_correctly() {
+        let stops: Vec<String> = (0..400).map(|i| format!("{i:03}{}", "x".repeat(97))).collect();
+        let mut m = StopMatcher::new(stops);
+        let mut emitted = String::new();
+        for _ in 0..1000 {
+            emitted.push_str(&m.push("hello 12").emit);
+        }
+        let outcome = m.push(&format!("3{}", "x".repeat(97)));
+        assert!(outcome.stopped);
+        emitted.push_str(&outcome.emit);
+        assert_eq!(emitted, format!("{}hello ", "hello 12".repeat(999)));
     }
 }

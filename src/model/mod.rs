@@ -20,7 +20,7 @@ pub mod qwen3_moe;
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 
 pub use cache::{CacheStore, SequenceCache};
@@ -123,34 +123,38 @@ impl Model {
     pub fn step(&self, batch: &[SequenceInput<'_>], store: &mut CacheStore) -> Result<Option<Tensor>> {
         let config = self.config();
         for (i, seq) in batch.iter().enumerate() {
+            let refuse = |reason: String| Err(anyhow::Error::new(InvalidStep(reason)));
             if seq.tokens.is_empty() {
-                bail!("sequence {} has no new tokens", seq.seq_id);
+                return refuse(format!("sequence {} has no new tokens", seq.seq_id));
             }
             if batch[..i].iter().any(|other| other.seq_id == seq.seq_id) {
-                bail!("sequence {} appears twice in one step", seq.seq_id);
+                return refuse(format!("sequence {} appears twice in one step", seq.seq_id));
             }
             if let Some(bad) = seq.tokens.iter().find(|&&t| t as usize >= config.vocab_size) {
-                bail!("token id {bad} of sequence {} is outside the vocabulary (size {})", seq.seq_id, config.vocab_size);
+                return refuse(format!(
+                    "token id {bad} of sequence {} is outside the vocabulary (size {})",
+                    seq.seq_id, config.vocab_size
+                ));
             }
             let end = seq.start_pos + seq.tokens.len();
             if end > config.max_position_embeddings {
-                bail!(
+                return refuse(format!(
                     "sequence {} would reach position {end}, beyond the context length {}",
-                    seq.seq_id,
-                    config.max_position_embeddings
-                );
+                    seq.seq_id, config.max_position_embeddings
+                ));
             }
             let cached = store.get_mut(seq.seq_id).map(|c| c.len).unwrap_or(0);
             if seq.start_pos > cached {
-                bail!(
+                return refuse(format!(
                     "sequence {} starts at position {} but only {cached} positions are cached",
-                    seq.seq_id,
-                    seq.start_pos
-                );
+                    seq.seq_id, seq.start_pos
+                ));
             }
             // Before any cache leaves the store: a refused rewind must not lose the others.
             if let Some(cache) = store.get_mut(seq.seq_id) {
-                cache.check_truncate(seq.start_pos).with_context(|| format!("sequence {}", seq.seq_id))?;
+                if let Err(err) = cache.check_truncate(seq.start_pos) {
+                    return refuse(format!("sequence {}: {err:#}", seq.seq_id));
+                }
             }
         }
         // Take the caches out of the store so the forward pass can hold them all mutably.
@@ -173,6 +177,12 @@ impl Model {
         result.context("forward pass failed")
     }
 }
+
+/// A step refused before the forward pass, with every cache as it was: the request is at
+/// fault, not the rank (errors of the forward pass itself are not this).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidStep(pub String);
 
 /// The dtype most floating-point tensors of the checkpoint are stored in.
 fn checkpoint_dtype(files: &WeightFiles) -> Result<DType> {

@@ -446,14 +446,20 @@ fn not_initialized() -> Status {
     Status::failed_precondition("this rank has not joined a communicator yet (Init first)")
 }
 
-/// Bad input is the coordinator's fault (INVALID_ARGUMENT); a collective failure means the
-/// group is broken (UNAVAILABLE), which tells the coordinator to recover.
+/// A step refused before the forward pass is the request's fault (INVALID_ARGUMENT: the
+/// coordinator fails that request alone); a collective failure means the group is broken
+/// (UNAVAILABLE); a forward pass that failed otherwise left this rank's caches of the batch
+/// dropped and its peers possibly inside a collective (INTERNAL). The last two make the
+/// coordinator recover the group.
 fn step_error(err: anyhow::Error) -> Status {
     let is_comm = err.chain().any(|cause| cause.downcast_ref::<crate::comm::CommError>().is_some());
+    let refused = err.chain().any(|cause| cause.downcast_ref::<crate::model::InvalidStep>().is_some());
     if is_comm {
         Status::unavailable(format!("collective failed: {err:#}"))
-    } else {
+    } else if refused {
         Status::invalid_argument(format!("{err:#}"))
+    } else {
+        Status::internal(format!("{err:#}"))
     }
 }
 
