@@ -33,29 +33,6 @@ async fn collect(mut stream: tonic::Streaming<pb::GenerateResponse>, mut ids: Ve
     ids
 }
 
-/// The pid of the rank process of `tpserve serve` (pid `serve`) that listens on rank-{rank}.sock.
-fn rank_pid(serve: u32, rank: usize) -> i32 {
-    let children = std::fs::read_to_string(format!("/proc/{serve}/task/{serve}/children")).unwrap_or_default();
-    for pid in children.split_whitespace() {
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(&format!("rank-{rank}.sock")) {
-            return pid.parse().unwrap();
-        }
-    }
-    // Children of other threads (tokio spawns from worker threads).
-    for entry in std::fs::read_dir(format!("/proc/{serve}/task")).unwrap() {
-        let task = entry.unwrap().file_name();
-        let children = std::fs::read_to_string(format!("/proc/{serve}/task/{}/children", task.to_string_lossy())).unwrap_or_default();
-        for pid in children.split_whitespace() {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&format!("rank-{rank}.sock")) {
-                return pid.parse().unwrap();
-            }
-        }
-    }
-    panic!("rank {rank} of tpserve serve {serve} not found");
-}
-
 async fn kill_rank_mid_stream(tp: usize, victim: usize) {
     let server = common::Served::start("qwen3_a", tp);
     let undisturbed = collect(client(&server.address).await.generate(long_greedy()).await.unwrap().into_inner(), vec![]).await;
@@ -66,7 +43,7 @@ async fn kill_rank_mid_stream(tp: usize, victim: usize) {
     while ids.len() < 20 {
         ids.extend(stream.message().await.unwrap().unwrap().token_id);
     }
-    let pid = rank_pid(server.child.id(), victim);
+    let pid = common::rank_pid(server.child.id(), victim);
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let started = Instant::now();
     let ids = collect(stream, ids).await;
@@ -97,7 +74,7 @@ async fn sigstop_of_a_rank_is_detected_and_recovered() {
     while ids.len() < 20 {
         ids.extend(stream.message().await.unwrap().unwrap().token_id);
     }
-    let pid = rank_pid(server.child.id(), 1);
+    let pid = common::rank_pid(server.child.id(), 1);
     unsafe { libc::kill(pid, libc::SIGSTOP) };
     let stopped = Instant::now();
     // Detected within seconds: health goes NOT_SERVING.

@@ -304,6 +304,7 @@ impl Worker {
             params.validate(vocab_size).map_err(|reason| {
                 Status::invalid_argument(format!("sequence {}: {reason}", seq.seq_id))
             })?;
+            refuse_by_fault_injection(seq)?;
         }
         let logits = shard.model.step(&inputs, &mut shard.caches).map_err(step_error)?;
         let mut tokens = Vec::new();
@@ -440,6 +441,22 @@ fn check_capacity(shard: &mut Shard, inputs: &[SequenceInput<'_>]) -> Result<(),
         )));
     }
     Ok(())
+}
+
+/// Fault injection for tests (docs/reliability.md): with `TPSERVE_FAULT_REFUSE_SEED=N` in its
+/// environment, a rank refuses every step that samples a sequence seeded N, before the forward
+/// pass, as it refuses any bad request. That is the request-level rank error a coordinator must
+/// fail alone, which a coordinator that validates its requests never causes otherwise.
+fn refuse_by_fault_injection(seq: &pb::SequenceStep) -> Result<(), Status> {
+    static SEED: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    let seed = *SEED.get_or_init(|| std::env::var("TPSERVE_FAULT_REFUSE_SEED").ok().and_then(|v| v.parse().ok()));
+    match (seed, &seq.sampling) {
+        (Some(seed), Some(params)) if params.seed == seed => Err(Status::invalid_argument(format!(
+            "sequence {}: refused by fault injection (TPSERVE_FAULT_REFUSE_SEED={seed})",
+            seq.seq_id
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn not_initialized() -> Status {

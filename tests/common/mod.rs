@@ -74,6 +74,8 @@ pub fn tpserve() -> Command {
 pub struct Served {
     pub child: Child,
     pub address: String,
+    /// the server's stderr (its log, ranks included)
+    pub log_path: PathBuf,
     _dir: tempfile::TempDir,
 }
 
@@ -90,6 +92,7 @@ impl Served {
     pub fn start_with_env(model: &str, tp: usize, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let address = format!("unix://{}", dir.path().join("api.sock").display());
+        let log_path = server_log(model, dir.path());
         let child = tpserve()
             .args(["serve", "--model"])
             .arg(fixture(model))
@@ -97,16 +100,21 @@ impl Served {
             .args(extra)
             .envs(env.iter().copied())
             .stdout(Stdio::null())
-            .stderr(server_log(model))
+            .stderr(std::fs::File::create(&log_path).expect("create the server log"))
             .spawn()
             .expect("spawn tpserve serve");
-        let served = Self { child, address, _dir: dir };
+        let served = Self { child, address, log_path, _dir: dir };
         served.wait_serving(Duration::from_secs(60));
         served
     }
 
     pub fn wait_serving(&self, patience: Duration) {
         wait_serving(&self.address, patience);
+    }
+
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
     /// `tpserve generate` against this server; returns (stdout, success).
@@ -116,16 +124,18 @@ impl Served {
     }
 }
 
-/// Where a server's logs go: a file under $TPSERVE_TEST_LOG_DIR when set (for debugging
-/// failures), else nowhere.
-fn server_log(name: &str) -> Stdio {
+/// Where a server's log goes: under $TPSERVE_TEST_LOG_DIR when set (kept after the test, for
+/// debugging failures), else in the server's own temporary directory.
+fn server_log(name: &str, dir: &std::path::Path) -> PathBuf {
     match std::env::var_os("TPSERVE_TEST_LOG_DIR") {
-        Some(dir) => {
-            let path = std::path::Path::new(&dir).join(format!("{name}-{}.log", std::process::id()));
-            std::fs::File::create(path).map(Stdio::from).unwrap_or_else(|_| Stdio::null())
-        }
-        None => Stdio::null(),
+        Some(logs) => std::path::Path::new(&logs).join(format!("{name}-{}-{}.log", std::process::id(), unique())),
+        None => dir.join("server.log"),
     }
+}
+
+fn unique() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Drop for Served {
@@ -146,6 +156,34 @@ pub fn terminate(child: &mut Child) {
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// The pid of the rank process of `tpserve serve` (pid `serve`) that listens on rank-{rank}.sock.
+pub fn rank_pid(serve: u32, rank: usize) -> i32 {
+    let children = std::fs::read_to_string(format!("/proc/{serve}/task/{serve}/children")).unwrap_or_default();
+    for pid in children.split_whitespace() {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&format!("rank-{rank}.sock")) {
+            return pid.parse().unwrap();
+        }
+    }
+    // Children of other threads (tokio spawns from worker threads).
+    for entry in std::fs::read_dir(format!("/proc/{serve}/task")).unwrap() {
+        let task = entry.unwrap().file_name();
+        let children = std::fs::read_to_string(format!("/proc/{serve}/task/{}/children", task.to_string_lossy())).unwrap_or_default();
+        for pid in children.split_whitespace() {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(&format!("rank-{rank}.sock")) {
+                return pid.parse().unwrap();
+            }
+        }
+    }
+    panic!("rank {rank} of tpserve serve {serve} not found");
+}
+
+/// A TCP port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Polls `tpserve health` until it exits 0.
