@@ -5,8 +5,12 @@
 //! - [`comm`]: collectives between ranks (sockets on CPU, NCCL on GPU).
 //! - [`model`]: configs, checkpoint loading, parallel layers, model families.
 //! - [`proto`]: the generated protocol code; [`net`]: addresses and transports.
-//! - [`auth`]: tokens; [`metrics`]: Prometheus metrics.
+//! - [`auth`]: tokens; [`metrics`]: Prometheus metrics; [`telemetry`]: logs and traces;
+//!   [`signals`]: SIGINT/SIGTERM.
 //! - [`cli`]: the `tpserve` command line.
+//!
+//! Imports point down this list's stack: cli → coordinator → rank → model → comm, with proto,
+//! net, auth, metrics, telemetry and signals below all of them.
 
 pub mod auth;
 pub mod cli;
@@ -17,4 +21,5 @@ pub mod model;
 pub mod net;
 pub mod proto;
 pub mod rank;
+pub mod signals;
 pub mod telemetry;

@@ -13,6 +13,11 @@ pub mod v1 {
 /// Encoded FileDescriptorSet of every tpserve proto, for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tpserve_descriptor.bin"));
 
+/// A grpc.health.v1 service name that coordinator and ranks report SERVING whenever the process
+/// answers: for liveness probes, which must not restart a server that is only waiting (for its
+/// ranks, or for a coordinator).
+pub const LIVENESS_SERVICE: &str = "liveness";
+
 /// The rank protocol version. Bumped on any incompatible change to rank.proto.
 pub const RANK_PROTOCOL_VERSION: u32 = 1;
 

@@ -312,28 +312,7 @@ impl CoordinatorArgs {
     }
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn termination_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                tokio::select! {
-                    _ = interrupt => {}
-                    _ = terminate.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = interrupt.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = interrupt.await;
-    }
-}
+pub use crate::signals::termination_signal;
 
 /// Logs to stderr, as text or JSON, filtered by RUST_LOG (default info); no trace export.
 pub fn init_logging(format: &str) {

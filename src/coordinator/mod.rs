@@ -36,9 +36,7 @@ use ranks::{RankFailure, RankSet, StepError};
 /// initialised and the model loaded, and whenever a rank is lost. "" is the whole server.
 pub const HEALTH_SERVICES: [&str; 3] = ["", "tpserve.v1.Generator", "tpserve.v1.Admin"];
 
-/// A health service name that is SERVING whenever the process answers: for liveness probes,
-/// which must not restart a coordinator that is only waiting for its ranks.
-pub const LIVENESS_SERVICE: &str = "liveness";
+pub use crate::proto::LIVENESS_SERVICE;
 
 pub struct CoordinatorOptions {
     pub ranks: Vec<Address>,
@@ -471,7 +469,7 @@ impl LocalModelFiles {
 
 /// Runs a coordinator until SIGINT/SIGTERM.
 pub async fn run(options: CoordinatorOptions) -> Result<()> {
-    run_until(options, crate::cli::termination_signal()).await
+    run_until(options, crate::signals::termination_signal()).await
 }
 
 /// Runs a coordinator until `stop` resolves, then shuts its ranks down.

@@ -47,21 +47,9 @@ pub struct LoadOptions {
     pub device: Device,
 }
 
-/// A loaded shard of any supported family.
-pub enum Model {
-    /// Every family: decoders with per-layer mixers (attention or Gated DeltaNet) and
-    /// feed-forwards (dense or MoE)
-    Decoder(decoder::Model),
-}
-
-/// Calls the same method on whichever model is loaded.
-macro_rules! dispatch {
-    ($self:expr, $model:ident => $call:expr) => {
-        match $self {
-            Model::Decoder($model) => $call,
-        }
-    };
-}
+/// A loaded shard: every family is the one decoder of `decoder.rs` with per-layer mixers
+/// (attention or Gated DeltaNet) and feed-forwards (dense or MoE).
+pub use decoder::Model;
 
 impl Model {
     /// Loads this rank's shard of the model in `dir`.
@@ -78,39 +66,11 @@ impl Model {
             None => checkpoint_dtype(&files)?,
         };
         let loader = ShardLoader::new(files, options.device.clone(), dtype, progress);
-        let model = match config.family {
-            ModelFamily::Qwen3 | ModelFamily::Llama => Model::Decoder(qwen3::load(&loader, group, &config)?),
-            ModelFamily::Qwen3Moe => Model::Decoder(qwen3_moe::load(&loader, group, &config)?),
-            ModelFamily::Qwen3_5 | ModelFamily::Qwen3_5Moe => Model::Decoder(qwen3_5::load(&loader, group, &config)?),
-        };
-        Ok(model)
-    }
-
-    pub fn config(&self) -> &ModelConfig {
-        dispatch!(self, model => model.config())
-    }
-
-    pub fn group(&self) -> &TpGroup {
-        dispatch!(self, model => model.group())
-    }
-
-    pub fn new_sequence_cache(&self) -> SequenceCache {
-        dispatch!(self, model => model.new_sequence_cache())
-    }
-
-    /// dtype the weights are held and computed in.
-    pub fn dtype(&self) -> DType {
-        dispatch!(self, model => model.dtype())
-    }
-
-    /// Bytes of weights this rank holds.
-    pub fn weight_bytes(&self) -> usize {
-        dispatch!(self, model => model.weight_bytes())
-    }
-
-    /// Bytes of cache one token of one sequence takes on this rank.
-    pub fn kv_bytes_per_token(&self) -> usize {
-        dispatch!(self, model => model.kv_bytes_per_token())
+        match config.family {
+            ModelFamily::Qwen3 | ModelFamily::Llama => qwen3::load(&loader, group, &config),
+            ModelFamily::Qwen3Moe => qwen3_moe::load(&loader, group, &config),
+            ModelFamily::Qwen3_5 | ModelFamily::Qwen3_5Moe => qwen3_5::load(&loader, group, &config),
+        }
     }
 
     /// Runs one step for a batch of sequences, creating caches for new sequences, and returns
@@ -167,7 +127,7 @@ impl Model {
             })
             .collect::<Result<_>>()?;
         let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().collect();
-        let result = dispatch!(self, model => model.forward(batch, &mut refs));
+        let result = self.forward(batch, &mut refs);
         // On failure the caches may be half-updated: drop them rather than keep corrupt state.
         if result.is_ok() {
             for (seq, cache) in batch.iter().zip(caches) {

@@ -297,7 +297,7 @@ pub async fn run(options: RankOptions) -> anyhow::Result<()> {
 
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<RankServer<RankService>>().await;
-    health.set_service_status(crate::coordinator::LIVENESS_SERVICE, tonic_health::ServingStatus::Serving).await;
+    health.set_service_status(crate::proto::LIVENESS_SERVICE, tonic_health::ServingStatus::Serving).await;
     let (reflection_v1, reflection_v1alpha) =
         crate::proto::reflection_services(&["tpserve.rank.v1.Rank", "grpc.health.v1.Health"])?;
 
@@ -321,7 +321,7 @@ pub async fn run(options: RankOptions) -> anyhow::Result<()> {
     let stop = async move {
         tokio::select! {
             _ = shutdown.notified() => {}
-            _ = crate::cli::termination_signal() => {}
+            _ = crate::signals::termination_signal() => {}
         }
     };
     router.serve_with_incoming_shutdown(listener.into_incoming(), stop).await?;
