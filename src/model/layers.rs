@@ -1,5 +1,5 @@
-//! Layers shared by the Qwen3 MoE and Qwen3.5 families: RMSNorm with either weight convention,
-//! GQA attention with an optional per-head output gate and partial rotary, and the SwiGLU MLP.
+//! Layers every model family shares: RMSNorm with either weight convention, GQA attention with
+//! optional per-head q/k norms, an optional output gate and partial rotary, and the SwiGLU MLP.
 //!
 //! Every layer takes the step's tokens concatenated, [tokens, hidden]; attention splits them
 //! per sequence against each sequence's own KV cache.

@@ -47,9 +47,14 @@ fn ids(value: &Value) -> Vec<u32> {
     value.as_array().expect("id list").iter().map(|v| v.as_u64().expect("id") as u32).collect()
 }
 
+/// The largest |a - b|. A NaN on either side is an infinite difference (`f32::max` would skip
+/// it and report a match); equal infinities (masked logits) are no difference.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "logit vectors differ in length");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| if x == y { 0.0 } else if x.is_nan() || y.is_nan() { f32::INFINITY } else { (x - y).abs() })
+        .fold(0.0, f32::max)
 }
 
 use std::process::{Child, Command, Stdio};
