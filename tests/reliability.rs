@@ -192,6 +192,13 @@ fn rss_mib(pid: u32) -> u64 {
     kib / 1024
 }
 
+/// These tests compare speeds and count recoveries, which a loaded machine distorts (a rank
+/// too slow to answer the watchdog is rightly recovered): they run one at a time.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn recoveries(log: &str) -> usize {
     log.matches("rank group lost; recovering").count()
 }
@@ -201,6 +208,7 @@ fn recoveries(log: &str) -> usize {
 /// connections stay open.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_stops_reading_does_not_slow_anyone_else() {
+    let _serial = one_at_a_time();
     let metrics_port = common::free_port();
     let metrics = format!("127.0.0.1:{metrics_port}");
     let server = common::Served::start_with("qwen3_a", 2, &["--stream-buffer", "32", "--metrics-listen", &metrics]);
@@ -219,10 +227,8 @@ async fn a_client_that_stops_reading_does_not_slow_anyone_else() {
     let beside = tokio::time::timeout(Duration::from_secs(120), run_stream(&server.address, greedy(300)))
         .await
         .expect("a stream beside stalled readers must not freeze");
-    println!("solo {:.0} tokens/s, beside four stalled readers {:.0} tokens/s", solo.rate, beside.rate);
     assert!(beside.error.is_none(), "{:?}", beside.error);
     assert_eq!(beside.ids, solo.ids);
-    assert!(beside.rate >= 0.5 * solo.rate, "beside stalled readers: {:.0} tokens/s, alone {:.0}", beside.rate, solo.rate);
 
     // The stalled streams were cut off, their sequences freed, while their sockets stay open.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -230,6 +236,15 @@ async fn a_client_that_stops_reading_does_not_slow_anyone_else() {
         assert!(Instant::now() < deadline, "the stalled streams still hold sequences");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Alone again, with the stalled connections still open: the solo figure is the mean of the
+    // runs before and after, so a machine that slows down meanwhile does not fail the test.
+    let after = run_stream(&server.address, greedy(300)).await;
+    let alone = (solo.rate + after.rate) / 2.0;
+    println!(
+        "alone {:.0} and {:.0} tokens/s, beside four stalled readers {:.0} tokens/s",
+        solo.rate, after.rate, beside.rate
+    );
+    assert!(beside.rate >= 0.5 * alone, "beside stalled readers: {:.0} tokens/s, alone {alone:.0}", beside.rate);
     let text = scrape(metrics_port);
     assert_eq!(counter(&text, "tpserve:request_failure_total{reason=\"slow_client\"}"), 4, "{text}");
     for body in stalled {
@@ -245,6 +260,7 @@ async fn a_client_that_stops_reading_does_not_slow_anyone_else() {
 /// and the coordinator's memory stays flat.
 #[tokio::test(flavor = "multi_thread")]
 async fn huge_fields_are_refused_before_they_cost_anything() {
+    let _serial = one_at_a_time();
     let server = common::Served::start("qwen3_a", 2);
     let solo = run_stream(&server.address, greedy(300)).await;
     let rss_before = rss_mib(server.child.id());
@@ -325,6 +341,7 @@ async fn load(admin: &mut AdminClient<Channel>, id: &str, fixture: &str) {
 /// behind.
 #[tokio::test(flavor = "multi_thread")]
 async fn unloading_a_model_mid_stream_touches_no_other_model() {
+    let _serial = one_at_a_time();
     let server = common::Served::start_with_env("qwen3_a", 2, &[], &[("TPSERVE_ADMIN_TOKEN", "admin-secret")]);
     let mut admin = AdminClient::new(channel(&server.address).await);
     load(&mut admin, "second", "qwen3_b").await;
@@ -371,6 +388,7 @@ async fn unloading_a_model_mid_stream_touches_no_other_model() {
 /// the group is not recovered and the other stream is untouched.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_the_ranks_refuse_fails_alone() {
+    let _serial = one_at_a_time();
     let server = common::Served::start_with_env("qwen3_a", 2, &[], &[("TPSERVE_FAULT_REFUSE_SEED", "4242")]);
     let undisturbed = run_stream(&server.address, greedy(400)).await;
     let refused_request = || {
@@ -406,6 +424,7 @@ async fn a_request_the_ranks_refuse_fails_alone() {
 /// finish with the tokens of an undisturbed run.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_rank_lost_while_two_models_stream_recovers_once() {
+    let _serial = one_at_a_time();
     let server = common::Served::start_with_env("qwen3_a", 2, &[], &[("TPSERVE_ADMIN_TOKEN", "admin-secret")]);
     let mut admin = AdminClient::new(channel(&server.address).await);
     load(&mut admin, "twin", "qwen3_a").await;

@@ -16,9 +16,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
-use tonic::Status;
 
 use super::detokenizer::IncrementalDecoder;
+use super::error::{Error, Kind};
 use super::ranks::{RankFailure, StepError};
 use super::stop::{StopMatcher, StopSet};
 use super::stream::{ClientSender, Push};
@@ -234,7 +234,7 @@ impl Engine {
                 Ok(()) | Err(StepError::StaleEpoch) => {}
                 Err(StepError::Refused(failure)) => self.isolate_refusal(plan, failure).await,
                 Err(StepError::Group(failure)) => self.recover(failure).await,
-                Err(StepError::Unavailable(reason)) => self.fail_running(&Status::unavailable(reason)),
+                Err(StepError::Unavailable(reason)) => self.fail_running(&Error::unavailable(reason)),
             }
         }
     }
@@ -307,7 +307,7 @@ impl Engine {
             self.model.metrics.failure("deadline");
             self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
             self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
-            request.responses.fail(Status::deadline_exceeded("the request's deadline passed while it waited for admission"));
+            request.responses.fail(Error::new(Kind::Deadline, "the request's deadline passed while it waited for admission"));
         }
     }
 
@@ -317,7 +317,7 @@ impl Engine {
         self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         let need = request.prompt_ids.len() + request.max_tokens;
         self.model.metrics.failure("kv_capacity");
-        request.responses.fail(Status::resource_exhausted(format!(
+        request.responses.fail(Error::capacity(format!(
             "the request needs {need} tokens of KV cache (prompt plus max_tokens) but the ranks hold {}; \
              lower max_tokens or shorten the prompt",
             self.model.kv_capacity_tokens
@@ -331,7 +331,7 @@ impl Engine {
         while let Ok(request) = self.requests.try_recv() {
             self.waiting.push_back(request);
         }
-        let status = Status::unavailable(format!(
+        let status = Error::unavailable(format!(
             "model \"{}\" is being unloaded; the request was cancelled (see Admin.ListModels)",
             self.model.id
         ));
@@ -366,7 +366,7 @@ impl Engine {
             let expired = seq.deadline.is_some_and(|d| d <= now);
             self.model.metrics.failure(if expired { "deadline" } else { "cancelled" });
             if expired {
-                seq.responses.fail(Status::deadline_exceeded("the request's deadline passed"));
+                seq.responses.fail(Error::new(Kind::Deadline, "the request's deadline passed"));
             }
         }
         self.release(&ended);
@@ -484,7 +484,7 @@ impl Engine {
         let outcome = match decoded {
             Ok(outcome) => outcome,
             Err(err) => {
-                seq.responses.fail(Status::internal(format!("detokenization failed: {err:#}")));
+                seq.responses.fail(Error::internal(format!("detokenization failed: {err:#}")));
                 return Finish::Cancelled;
             }
         };
@@ -506,7 +506,7 @@ impl Engine {
             Push::Behind => {
                 let behind = seq.responses.capacity();
                 tracing::warn!(seq_id = seq.seq_id, behind, "a client stopped reading its stream; cutting it off");
-                seq.responses.fail(Status::resource_exhausted(format!(
+                seq.responses.fail(Error::capacity(format!(
                     "the client fell {behind} messages behind the stream and it was cut off (--stream-buffer); \
                      read the stream as it arrives"
                 )));
@@ -554,7 +554,7 @@ impl Engine {
                 Err(StepError::Refused(failure)) => self.refuse_sequence(planned.seq_id, &failure).await,
                 Err(StepError::StaleEpoch) => return,
                 Err(StepError::Group(failure)) => return self.recover(failure).await,
-                Err(StepError::Unavailable(reason)) => return self.fail_running(&Status::unavailable(reason)),
+                Err(StepError::Unavailable(reason)) => return self.fail_running(&Error::unavailable(reason)),
             }
         }
     }
@@ -565,8 +565,7 @@ impl Engine {
         let mut seq = self.running.swap_remove(index);
         tracing::warn!(seq_id, %failure, "the ranks refused a request; failing it alone");
         self.model.metrics.failure("rank_refused");
-        let status = Status::new(failure.status.code(), format!("rank {} refused the request: {}", failure.rank, failure.status.message()));
-        seq.responses.fail(status);
+        seq.responses.fail(Error::from_rank(&format!("rank {} refused the request", failure.rank), &failure.status));
         self.release(std::slice::from_ref(&seq));
         if seq.processed > 0 {
             self.free(vec![seq.seq_id]).await;
@@ -580,16 +579,17 @@ impl Engine {
         tracing::error!(%failure, running = self.running.len(), "step failed; recovering the ranks");
         let reason = failure.to_string();
         if !self.supervisor.recover(self.cache_epoch, &reason).await {
-            self.fail_running(&Status::unavailable(format!(
-                "a rank failed ({reason}) and the ranks did not recover in time; retry later"
-            )));
+            self.fail_running(&Error::new(
+                Kind::RankUnavailable,
+                format!("a rank failed ({reason}) and the ranks did not recover in time; retry later"),
+            ));
         }
     }
 
-    fn fail_running(&mut self, status: &Status) {
+    fn fail_running(&mut self, error: &Error) {
         for seq in &mut self.running {
             self.model.metrics.failure("rank_failure");
-            seq.responses.fail(status.clone());
+            seq.responses.fail(error.clone());
         }
         self.running.clear();
         self.reserved = 0;
@@ -611,9 +611,10 @@ impl Engine {
             std::mem::take(&mut self.running).into_iter().partition(|s| s.processed == 0 || s.resumes < MAX_RESUMES);
         for seq in &mut exhausted {
             self.model.metrics.failure("rank_failure");
-            seq.responses.fail(Status::unavailable(format!(
-                "generation was interrupted by rank failures {MAX_RESUMES} times; giving up"
-            )));
+            seq.responses.fail(Error::new(
+                Kind::RankUnavailable,
+                format!("generation was interrupted by rank failures {MAX_RESUMES} times; giving up"),
+            ));
         }
         self.release(&exhausted);
         self.running = resumable;

@@ -4,6 +4,7 @@
 pub mod chat_template;
 pub mod detokenizer;
 pub mod engine;
+pub mod error;
 pub mod gguf_tokenizer;
 pub mod ranks;
 pub mod service;
@@ -29,6 +30,7 @@ use crate::net::{Address, Listener};
 use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
 use chat_template::ChatTemplate;
+use error::{Error, Kind};
 use engine::{Engine, ModelStats, NewRequest, SchedulerConfig};
 use ranks::{RankFailure, RankSet, StepError};
 
@@ -226,7 +228,7 @@ impl Supervisor {
         self.ranks.bootstrap(epoch, init_timeout).await
     }
 
-    async fn load(&self, model_id: &str, path: &str, dtype: &str) -> Result<rank_pb::ShardInfo> {
+    async fn load(&self, model_id: &str, path: &str, dtype: &str) -> Result<rank_pb::ShardInfo, Error> {
         let _guard = self.step_lock.lock().await;
         let info = match self.ranks.load(model_id, path, dtype, self.epoch(), self.load_timeout).await {
             Ok(info) => info,
@@ -345,16 +347,19 @@ impl Coordinator {
     }
 
     /// Loads a model on every rank and starts its step loop.
-    pub async fn load_model(&self, id: &str, path: &Path, dtype: &str) -> Result<Arc<ModelHandle>> {
+    pub async fn load_model(&self, id: &str, path: &Path, dtype: &str) -> Result<Arc<ModelHandle>, Error> {
         let _admin = self.admin.lock().await;
         if self.models.read().await.contains_key(id) {
-            anyhow::bail!("model \"{id}\" is already loaded");
+            return Err(Error::new(Kind::AlreadyExists, format!("model \"{id}\" is already loaded")));
         }
         let local = {
             let path = path.to_owned();
-            tokio::task::spawn_blocking(move || LocalModelFiles::read(&path)).await.context("reading the model files")??
+            tokio::task::spawn_blocking(move || LocalModelFiles::read(&path))
+                .await
+                .map_err(|err| Error::internal(format!("reading the model files: {err}")))?
+                .map_err(|err| Error::invalid(format!("cannot load model: {err:#}")))?
         };
-        let path_text = path.to_str().context("model path is not valid UTF-8")?;
+        let path_text = path.to_str().ok_or_else(|| Error::invalid("the model path is not valid UTF-8"))?;
         let info = self.supervisor.load(id, path_text, dtype).await?;
         let (submit, requests) = mpsc::channel(1024);
         let handle = Arc::new(ModelHandle {
@@ -415,7 +420,7 @@ impl Coordinator {
     /// UNAVAILABLE ("being unloaded"), its step loop finishes its current step and ends, and
     /// only then do the ranks drop it, so no step of it can reach a rank that no longer holds
     /// it. Other models are not touched.
-    pub async fn unload_model(&self, id: &str) -> Result<bool> {
+    pub async fn unload_model(&self, id: &str) -> Result<bool, Error> {
         let _admin = self.admin.lock().await;
         let Some(model) = self.models.write().await.remove(id) else { return Ok(false) };
         self.supervisor.loaded.lock().await.retain(|(loaded, _, _)| loaded != id);
@@ -432,7 +437,11 @@ impl Coordinator {
             }
         }
         drop(model);
-        self.supervisor.ranks.unload(id).await.map_err(|f| anyhow::anyhow!("{f}"))?;
+        self.supervisor
+            .ranks
+            .unload(id)
+            .await
+            .map_err(|f| Error::new(Kind::RankUnavailable, format!("unloading \"{id}\" failed on rank {}: {}", f.rank, f.status.message())))?;
         tracing::info!(model = id, "model unloaded");
         Ok(true)
     }

@@ -12,6 +12,7 @@ use tonic::transport::Channel;
 
 use tonic::service::interceptor::InterceptedService;
 
+use super::error::{Error, Kind};
 use crate::auth::{AttachToken, Secret};
 use crate::net::{self, Address, ClientTls};
 use crate::proto::RANK_PROTOCOL_VERSION;
@@ -112,9 +113,17 @@ impl RankSet {
     }
 
     /// Loads a model on every rank, logging the slowest rank's progress.
-    pub async fn load(&self, model_id: &str, path: &str, dtype: &str, epoch: u64, load_timeout: Duration) -> Result<pb::ShardInfo> {
+    pub async fn load(
+        &self,
+        model_id: &str,
+        path: &str,
+        dtype: &str,
+        epoch: u64,
+        load_timeout: Duration,
+    ) -> Result<pb::ShardInfo, Error> {
         let progress = Arc::new(LoadMeter::new(self.world_size()));
         let reporter = tokio::spawn(progress.clone().report(path.to_owned()));
+        let lost = |message: String| Error::new(Kind::RankUnavailable, format!("loading {path}: {message}"));
         let calls = self.clients.iter().enumerate().map(|(rank, client)| {
             let mut client = client.clone();
             let progress = progress.clone();
@@ -125,36 +134,36 @@ impl RankSet {
                 epoch,
             };
             // A rank reports progress every 250 ms while it loads: silence means it is stuck or
-            // gone, however long the whole load may take.
+            // gone, however long the whole load may take. A rank that cannot load the files
+            // says why (INVALID_ARGUMENT), which is the request's fault, not the rank's.
             async move {
-                let mut stream = with_deadline(LOAD_STALL_DEADLINE, client.load_shard(request))
-                    .await
-                    .map_err(|s| anyhow::anyhow!("rank {rank}: {}", s.message()))?
-                    .into_inner();
+                let refused = |status: tonic::Status| Error::from_rank(&format!("loading {path} on rank {rank}"), &status);
+                let mut stream =
+                    with_deadline(LOAD_STALL_DEADLINE, client.load_shard(request)).await.map_err(refused)?.into_inner();
                 loop {
                     let message = match tokio::time::timeout(LOAD_STALL_DEADLINE, stream.message()).await {
                         Ok(Ok(Some(message))) => message,
-                        Ok(Ok(None)) => bail!("rank {rank} closed the load stream before finishing"),
-                        Ok(Err(status)) => bail!("rank {rank}: {}", status.message()),
-                        Err(_) => bail!("rank {rank} reported no load progress for {LOAD_STALL_DEADLINE:?}"),
+                        Ok(Ok(None)) => return Err(lost(format!("rank {rank} closed the load stream before finishing"))),
+                        Ok(Err(status)) => return Err(refused(status)),
+                        Err(_) => return Err(lost(format!("rank {rank} reported no progress for {LOAD_STALL_DEADLINE:?}"))),
                     };
                     progress.update(rank, &message);
                     if message.done {
-                        return message.shard.with_context(|| format!("rank {rank} finished loading without shard info"));
+                        return message.shard.ok_or_else(|| Error::internal(format!("rank {rank} finished loading without shard info")));
                     }
                 }
             }
         });
         let result = match tokio::time::timeout(load_timeout, try_join_all(calls)).await {
             Ok(result) => result,
-            Err(_) => Err(anyhow::anyhow!("the ranks did not finish loading within {load_timeout:?} (--load-timeout-secs)")),
+            Err(_) => Err(lost(format!("the ranks did not finish within {load_timeout:?} (--load-timeout-secs)"))),
         };
         reporter.abort();
         progress.finish(result.is_ok());
-        let infos = result.with_context(|| format!("loading {path}"))?;
+        let infos = result?;
         // The group can only hold what its smallest rank can.
         let capacity = infos.iter().map(|i| i.kv_capacity_tokens).min().unwrap_or(0);
-        let mut first = infos.into_iter().next().context("no ranks")?;
+        let mut first = infos.into_iter().next().ok_or_else(|| Error::internal("no ranks"))?;
         first.kv_capacity_tokens = capacity;
         Ok(first)
     }
@@ -328,8 +337,7 @@ impl RankFailure {
     /// Whether the rank refused the call because of what it asked (so nothing ran and the
     /// group is intact), rather than failing to run it.
     fn is_refusal(&self) -> bool {
-        use tonic::Code;
-        matches!(self.status.code(), Code::InvalidArgument | Code::OutOfRange | Code::NotFound | Code::AlreadyExists)
+        Kind::of_rank_status(self.status.code()).concerns_one_request()
     }
 }
 
@@ -345,7 +353,8 @@ impl std::error::Error for RankFailure {}
 #[derive(Debug)]
 pub enum StepError {
     /// Every rank refused the step before running it (INVALID_ARGUMENT, OUT_OF_RANGE,
-    /// NOT_FOUND): one of its requests is at fault, the group and its caches are intact.
+    /// NOT_FOUND, ALREADY_EXISTS, RESOURCE_EXHAUSTED): one of its requests is at fault, the
+    /// group and its caches are intact.
     Refused(RankFailure),
     /// A rank was lost or hung, a collective failed, or the ranks disagree: the group must
     /// recover before it can run another step.

@@ -9,6 +9,7 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use super::error::{Error, Kind};
 use super::validation::{RequestLimits, Validator};
 use super::{Coordinator, ModelHandle};
 use crate::auth::RequireToken;
@@ -92,26 +93,26 @@ pub async fn serve(
     Ok(())
 }
 
-fn ready(cell: &CoordinatorCell) -> Result<Arc<Coordinator>, Status> {
+fn ready(cell: &CoordinatorCell) -> Result<Arc<Coordinator>, Error> {
     let coordinator = cell
         .borrow()
         .clone()
-        .ok_or_else(|| Status::unavailable("the server is starting: ranks are initialising or the model is loading"))?;
+        .ok_or_else(|| Error::unavailable("the server is starting: ranks are initialising or the model is loading"))?;
     if coordinator.supervisor.is_draining() {
-        return Err(Status::unavailable("the server is shutting down; send the request to another replica"));
+        return Err(Error::unavailable("the server is shutting down; send the request to another replica"));
     }
     if !coordinator.supervisor.is_serving() {
-        return Err(Status::unavailable("the server is recovering from a rank failure; retry shortly"));
+        return Err(Error::unavailable("the server is recovering from a rank failure; retry shortly"));
     }
     Ok(coordinator)
 }
 
-async fn find_model(coordinator: &Coordinator, id: &str) -> Result<Arc<ModelHandle>, Status> {
+async fn find_model(coordinator: &Coordinator, id: &str) -> Result<Arc<ModelHandle>, Error> {
     coordinator.model(id).await.ok_or_else(|| {
         if id.is_empty() {
-            Status::not_found("no model is loaded")
+            Error::not_found("no model is loaded")
         } else {
-            Status::not_found(format!("model \"{id}\" is not loaded (see Admin.ListModels)"))
+            Error::not_found(format!("model \"{id}\" is not loaded (see Admin.ListModels)"))
         }
     })
 }
@@ -126,7 +127,7 @@ impl GeneratorService {
     async fn start(
         &self,
         model: &Arc<ModelHandle>,
-        prompt_ids: Result<Vec<u32>, Status>,
+        prompt_ids: Result<Vec<u32>, Error>,
         params: Option<pb::GenerationParams>,
         deadline: Option<std::time::Instant>,
         span: tracing::Span,
@@ -137,11 +138,11 @@ impl GeneratorService {
         };
         match result {
             Ok(stream) => Ok(Response::new(Box::pin(stream))),
-            Err(status) => {
-                if matches!(status.code(), tonic::Code::InvalidArgument | tonic::Code::OutOfRange) {
+            Err(error) => {
+                if matches!(error.kind, Kind::InvalidRequest | Kind::OutOfRange) {
                     model.metrics.failure("invalid_request");
                 }
-                Err(status)
+                Err(error.into())
             }
         }
     }
@@ -159,8 +160,8 @@ impl Generator for GeneratorService {
         let request = request.into_inner();
         let model = find_model(&coordinator, &request.model).await?;
         let prompt_ids = match (request.prompt.is_empty(), request.prompt_ids.is_empty()) {
-            (false, false) => Err(Status::invalid_argument("give either prompt or prompt_ids, not both")),
-            (true, true) => Err(Status::invalid_argument("the prompt is empty: give prompt text or prompt_ids")),
+            (false, false) => Err(Error::invalid("give either prompt or prompt_ids, not both")),
+            (true, true) => Err(Error::invalid("the prompt is empty: give prompt text or prompt_ids")),
             (false, true) => self.validator.encode_prompt(&model, request.prompt, true).await,
             (true, false) => Ok(request.prompt_ids),
         };
@@ -225,26 +226,22 @@ impl Admin for AdminService {
         let coordinator = ready(&self.coordinator)?;
         let request = request.into_inner();
         if request.model_id.is_empty() || request.path.is_empty() {
-            return Err(Status::invalid_argument("model_id and path are required"));
+            return Err(Error::invalid("model_id and path are required").into());
         }
         if coordinator.model(&request.model_id).await.is_some() {
-            return Err(Status::already_exists(format!("model \"{}\" is already loaded", request.model_id)));
+            return Err(Error::new(Kind::AlreadyExists, format!("model \"{}\" is already loaded", request.model_id)).into());
         }
         let dtype = if request.dtype.is_empty() { "auto" } else { &request.dtype };
-        let handle = coordinator
-            .load_model(&request.model_id, std::path::Path::new(&request.path), dtype)
-            .await
-            .map_err(|err| Status::invalid_argument(format!("cannot load model: {err:#}")))?;
+        let handle = coordinator.load_model(&request.model_id, std::path::Path::new(&request.path), dtype).await?;
         Ok(Response::new(pb::LoadModelResponse { model: Some(handle.info(coordinator.supervisor.tp_size())) }))
     }
 
     async fn unload_model(&self, request: Request<pb::UnloadModelRequest>) -> Result<Response<pb::UnloadModelResponse>, Status> {
         let coordinator = ready(&self.coordinator)?;
         let id = &request.get_ref().model_id;
-        match coordinator.unload_model(id).await {
-            Ok(true) => Ok(Response::new(pb::UnloadModelResponse {})),
-            Ok(false) => Err(Status::not_found(format!("model \"{id}\" is not loaded"))),
-            Err(err) => Err(Status::unavailable(format!("unloading failed on a rank: {err:#}"))),
+        match coordinator.unload_model(id).await? {
+            true => Ok(Response::new(pb::UnloadModelResponse {})),
+            false => Err(Error::not_found(format!("model \"{id}\" is not loaded")).into()),
         }
     }
 

@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::Status;
 
+use super::error::Error;
 use crate::proto::v1 as pb;
 
 pub type Item = Result<pb::GenerateResponse, Status>;
@@ -86,9 +87,9 @@ impl ClientSender {
         self.buffer = None;
     }
 
-    /// Ends the stream with an error status.
-    pub fn fail(&mut self, status: Status) {
-        self.end(Err(status));
+    /// Ends the stream with an error.
+    pub fn fail(&mut self, error: Error) {
+        self.end(Err(error.into()));
     }
 }
 
@@ -119,7 +120,7 @@ mod tests {
         assert_eq!(sender.push(message("a")), Push::Sent);
         assert_eq!(sender.push(message("b")), Push::Sent);
         assert_eq!(sender.push(message("c")), Push::Behind);
-        sender.fail(Status::resource_exhausted("behind"));
+        sender.fail(Error::capacity("behind"));
         assert_eq!(sender.push(message("d")), Push::Gone);
         let texts: Vec<Item> = (&mut stream).collect().await;
         assert_eq!(texts.len(), 3);
@@ -134,7 +135,7 @@ mod tests {
         assert_eq!(sender.push(message("a")), Push::Sent);
         sender.end(Ok(message("done")));
         // A second ending does not replace the first.
-        sender.fail(Status::internal("late"));
+        sender.fail(Error::internal("late"));
         let items: Vec<Item> = stream.collect().await;
         let texts: Vec<String> = items.into_iter().map(|i| i.unwrap().text).collect();
         assert_eq!(texts, ["a", "done"]);

@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use tokio::sync::Semaphore;
-use tonic::Status;
 
 use super::ModelHandle;
+use super::error::{Error, Kind};
 use super::chat_template::ChatMessage;
 use super::engine::NewRequest;
 use super::stop::{self, StopLimits, StopSet};
@@ -58,10 +58,10 @@ impl Validator {
         Self { limits, tokenizing }
     }
 
-    fn check_text(&self, what: &str, bytes: usize) -> Result<(), Status> {
+    fn check_text(&self, what: &str, bytes: usize) -> Result<(), Error> {
         let limit = self.limits.max_prompt_bytes;
         if bytes > limit {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::invalid(format!(
                 "{what} is {bytes} bytes; at most {limit} bytes are accepted (--max-prompt-bytes)"
             )));
         }
@@ -69,26 +69,26 @@ impl Validator {
     }
 
     /// Runs `work` on a blocking thread, at most `tokenizer_threads` at a time.
-    async fn off_runtime<T: Send + 'static>(&self, work: impl FnOnce() -> Result<T, Status> + Send + 'static) -> Result<T, Status> {
-        let _permit = self.tokenizing.clone().acquire_owned().await.map_err(|_| Status::unavailable("the server is stopping"))?;
-        tokio::task::spawn_blocking(work).await.map_err(|err| Status::internal(format!("tokenizer task failed: {err}")))?
+    async fn off_runtime<T: Send + 'static>(&self, work: impl FnOnce() -> Result<T, Error> + Send + 'static) -> Result<T, Error> {
+        let _permit = self.tokenizing.clone().acquire_owned().await.map_err(|_| Error::unavailable("the server is stopping"))?;
+        tokio::task::spawn_blocking(work).await.map_err(|err| Error::internal(format!("tokenizer task failed: {err}")))?
     }
 
     /// The token ids of a prompt text.
-    pub async fn encode_prompt(&self, model: &Arc<ModelHandle>, text: String, add_special_tokens: bool) -> Result<Vec<u32>, Status> {
+    pub async fn encode_prompt(&self, model: &Arc<ModelHandle>, text: String, add_special_tokens: bool) -> Result<Vec<u32>, Error> {
         self.check_text("the prompt", text.len())?;
         let model = model.clone();
         self.off_runtime(move || encode(&model, &text, add_special_tokens)).await
     }
 
     /// The token ids of a chat, rendered through the model's template.
-    pub async fn encode_chat(&self, model: &Arc<ModelHandle>, messages: Vec<pb::ChatMessage>) -> Result<Vec<u32>, Status> {
+    pub async fn encode_chat(&self, model: &Arc<ModelHandle>, messages: Vec<pb::ChatMessage>) -> Result<Vec<u32>, Error> {
         if messages.is_empty() {
-            return Err(Status::invalid_argument("messages is empty: give at least one message"));
+            return Err(Error::invalid("messages is empty: give at least one message"));
         }
         let limit = self.limits.max_chat_messages;
         if messages.len() > limit {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::invalid(format!(
                 "{} chat messages given; at most {limit} are accepted (--max-chat-messages)",
                 messages.len()
             )));
@@ -96,16 +96,16 @@ impl Validator {
         let bytes: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum();
         self.check_text("the chat's messages together", bytes)?;
         if model.chat_template.is_none() {
-            return Err(Status::failed_precondition(format!("model \"{}\" has no chat template; use Generate", model.id)));
+            return Err(Error::new(Kind::Unsupported, format!("model \"{}\" has no chat template; use Generate", model.id)));
         }
         let model = model.clone();
         self.off_runtime(move || {
-            let template = model.chat_template.as_ref().ok_or_else(|| Status::internal("chat template missing"))?;
+            let template = model.chat_template.as_ref().ok_or_else(|| Error::internal("chat template missing"))?;
             let messages: Vec<ChatMessage> =
                 messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
             let prompt = template
                 .render(&messages, true)
-                .map_err(|err| Status::invalid_argument(format!("cannot render the chat template: {err:#}")))?;
+                .map_err(|err| Error::invalid(format!("cannot render the chat template: {err:#}")))?;
             // The template already wrote any special tokens the model expects.
             encode(&model, &prompt, false)
         })
@@ -113,14 +113,14 @@ impl Validator {
     }
 
     /// Tokenize RPC: ids and token strings, empty text allowed.
-    pub async fn tokenize(&self, model: &Arc<ModelHandle>, text: String, add_special_tokens: bool) -> Result<pb::TokenizeResponse, Status> {
+    pub async fn tokenize(&self, model: &Arc<ModelHandle>, text: String, add_special_tokens: bool) -> Result<pb::TokenizeResponse, Error> {
         self.check_text("the text", text.len())?;
         let model = model.clone();
         self.off_runtime(move || {
             let encoding = model
                 .tokenizer
                 .encode(text.as_str(), add_special_tokens)
-                .map_err(|err| Status::invalid_argument(format!("cannot tokenize: {err}")))?;
+                .map_err(|err| Error::invalid(format!("cannot tokenize: {err}")))?;
             Ok(pb::TokenizeResponse { ids: encoding.get_ids().to_vec(), tokens: encoding.get_tokens().to_vec() })
         })
         .await
@@ -134,18 +134,18 @@ impl Validator {
         params: pb::GenerationParams,
         deadline: Option<std::time::Instant>,
         span: tracing::Span,
-    ) -> Result<ClientStream, Status> {
+    ) -> Result<ClientStream, Error> {
         validate_and_queue(model, prompt_ids, params, deadline, span, &self.limits).await
     }
 }
 
-fn encode(model: &ModelHandle, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, Status> {
+fn encode(model: &ModelHandle, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, Error> {
     let encoding = model
         .tokenizer
         .encode(text, add_special_tokens)
-        .map_err(|err| Status::invalid_argument(format!("cannot tokenize the prompt: {err}")))?;
+        .map_err(|err| Error::invalid(format!("cannot tokenize the prompt: {err}")))?;
     if encoding.get_ids().is_empty() {
-        return Err(Status::invalid_argument("the prompt encodes to no tokens"));
+        return Err(Error::invalid("the prompt encodes to no tokens"));
     }
     Ok(encoding.get_ids().to_vec())
 }
@@ -157,16 +157,16 @@ async fn validate_and_queue(
     deadline: Option<std::time::Instant>,
     span: tracing::Span,
     limits: &RequestLimits,
-) -> Result<ClientStream, Status> {
+) -> Result<ClientStream, Error> {
     let vocab_size = model.config.vocab_size;
     if let Some(bad) = prompt_ids.iter().find(|&&id| id as usize >= vocab_size) {
-        return Err(Status::invalid_argument(format!(
+        return Err(Error::invalid(format!(
             "prompt token id {bad} is outside the vocabulary (ids must be below {vocab_size})"
         )));
     }
     let context = model.max_context;
     if prompt_ids.len() >= context {
-        return Err(Status::out_of_range(format!(
+        return Err(Error::out_of_range(format!(
             "the prompt has {} tokens but the model's context is {context}: shorten it to at most {} tokens",
             prompt_ids.len(),
             context - 1
@@ -174,9 +174,9 @@ async fn validate_and_queue(
     }
     let room = context - prompt_ids.len();
     let max_tokens = match params.max_tokens {
-        Some(0) => return Err(Status::invalid_argument("max_tokens must be at least 1")),
+        Some(0) => return Err(Error::invalid("max_tokens must be at least 1")),
         Some(n) if n as usize > context => {
-            return Err(Status::out_of_range(format!(
+            return Err(Error::out_of_range(format!(
                 "max_tokens {n} exceeds the model's context of {context} tokens"
             )));
         }
@@ -186,7 +186,7 @@ async fn validate_and_queue(
     };
     let need = prompt_ids.len() + max_tokens;
     if need > model.kv_capacity_tokens {
-        return Err(Status::out_of_range(format!(
+        return Err(Error::out_of_range(format!(
             "the prompt ({} tokens) plus max_tokens ({max_tokens}) needs {need} tokens of KV cache, \
              but the ranks hold {}; lower max_tokens or shorten the prompt",
             prompt_ids.len(),
@@ -194,7 +194,7 @@ async fn validate_and_queue(
         )));
     }
     let sampling = sampling_params(&params, vocab_size)?;
-    stop::validate(&params.stop, limits.stop).map_err(Status::invalid_argument)?;
+    stop::validate(&params.stop, limits.stop).map_err(Error::invalid)?;
     let stop = Arc::new(StopSet::new(&params.stop));
     let (responses, stream) = stream::channel(limits.stream_buffer);
     // Refuse at once rather than queue without bound: the client can back off or go elsewhere.
@@ -202,7 +202,7 @@ async fn validate_and_queue(
     if waiting >= model.max_waiting as u64 {
         model.stats.waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         model.metrics.failure("queue_full");
-        return Err(Status::resource_exhausted(format!(
+        return Err(Error::capacity(format!(
             "the server is at capacity: {waiting} requests are already waiting for model \"{}\"; retry later",
             model.id
         )));
@@ -224,13 +224,13 @@ async fn validate_and_queue(
     model.stats.requests_total.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     if model.submit.send(request).await.is_err() {
         model.stats.waiting.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-        return Err(Status::unavailable(format!("model \"{}\" is being unloaded", model.id)));
+        return Err(Error::unavailable(format!("model \"{}\" is being unloaded", model.id)));
     }
     Ok(stream)
 }
 
 /// API defaults follow OpenAI's: temperature 1, no truncation, no penalties, a random seed.
-fn sampling_params(params: &pb::GenerationParams, vocab_size: usize) -> Result<rank_pb::SamplingParams, Status> {
+fn sampling_params(params: &pb::GenerationParams, vocab_size: usize) -> Result<rank_pb::SamplingParams, Error> {
     let checked = SamplingParams {
         temperature: params.temperature.unwrap_or(1.0),
         top_k: params.top_k.unwrap_or(0),
@@ -242,9 +242,9 @@ fn sampling_params(params: &pb::GenerationParams, vocab_size: usize) -> Result<r
         seed: params.seed.unwrap_or_else(rand::random),
         top_logprobs: params.top_logprobs,
     };
-    checked.validate(vocab_size).map_err(Status::invalid_argument)?;
+    checked.validate(vocab_size).map_err(Error::invalid)?;
     if params.top_logprobs > MAX_TOP_LOGPROBS {
-        return Err(Status::invalid_argument(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}")));
+        return Err(Error::invalid(format!("top_logprobs must be at most {MAX_TOP_LOGPROBS}")));
     }
     Ok(rank_pb::SamplingParams {
         temperature: checked.temperature,
