@@ -189,12 +189,24 @@ impl ModelConfig {
                 bail!("{name} must be positive");
             }
         }
+        // The RoPE tables hold every position up front (rotary_dim * 4 bytes each), so an
+        // absurd context length must be refused here rather than attempted as an allocation.
+        if config.max_position_embeddings > MAX_POSITIONS {
+            bail!(
+                "max_position_embeddings is {}, above the {MAX_POSITIONS} positions tpserve supports",
+                config.max_position_embeddings
+            );
+        }
         if config.intermediate_size == 0 && family != ModelFamily::Qwen3_5Moe {
             bail!("intermediate_size must be positive");
         }
         Ok(config)
     }
 }
+
+/// The longest context a model may declare (`max_position_embeddings`): 4Mi positions, whose
+/// RoPE tables take 2 GiB at a head size of 128.
+pub const MAX_POSITIONS: usize = 1 << 22;
 
 /// Reads EOS ids from generation_config.json (which overrides config.json, as in transformers).
 pub fn generation_eos_ids(dir: &Path) -> Result<Option<Vec<u32>>> {

@@ -37,6 +37,23 @@ impl GgufFile {
         let content = Content::read(&mut file)
             .map_err(|err| anyhow::anyhow!("{err}"))
             .with_context(|| format!("{} is not a valid GGUF file", path.display()))?;
+        // Shapes are checked here, once, so that no later slicing or reshaping meets an empty
+        // or zero-sized dimension.
+        for (name, info) in &content.tensor_infos {
+            let dims = info.shape.dims();
+            if dims.is_empty() || dims.contains(&0) {
+                bail!("{}: tensor \"{name}\" has shape {dims:?}; every dimension must be positive", path.display());
+            }
+            let block = info.ggml_dtype.block_size();
+            if dims[dims.len() - 1] % block != 0 {
+                bail!(
+                    "{}: tensor \"{name}\" has rows of {} values, not a whole number of {:?} blocks of {block}",
+                    path.display(),
+                    dims[dims.len() - 1],
+                    info.ggml_dtype
+                );
+            }
+        }
         Ok(Self { path: path.to_owned(), content })
     }
 

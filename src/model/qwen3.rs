@@ -63,8 +63,15 @@ impl Rotary {
         let inv_freq: Vec<f32> = (0..rotary_dim / 2)
             .map(|i| (1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64)) as f32)
             .collect();
-        let mut cos = Vec::with_capacity(max_positions * inv_freq.len());
-        let mut sin = Vec::with_capacity(max_positions * inv_freq.len());
+        let entries = max_positions
+            .checked_mul(inv_freq.len())
+            .filter(|&n| n <= isize::MAX as usize / 8)
+            .ok_or_else(|| anyhow::anyhow!("RoPE tables for {max_positions} positions do not fit in memory"))?;
+        let mut cos = Vec::new();
+        let mut sin = Vec::new();
+        cos.try_reserve_exact(entries).and_then(|()| sin.try_reserve_exact(entries)).map_err(|_| {
+            anyhow::anyhow!("cannot allocate RoPE tables for {max_positions} positions ({} bytes)", entries * 8)
+        })?;
         for position in 0..max_positions {
             for &f in &inv_freq {
                 let angle = position as f32 * f;

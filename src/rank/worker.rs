@@ -65,12 +65,28 @@ pub fn spawn(config: WorkerConfig, shared: Arc<Mutex<SharedState>>) -> std::io::
         let mut worker = Worker { config, shared, group: None, models: HashMap::new() };
         worker.publish_device_memory();
         while let Ok(command) = receiver.recv() {
-            worker.handle(command);
+            // A panic leaves the device state (caches half-written, a collective half-run)
+            // unknowable, and a rank whose worker is gone would still answer Info and liveness
+            // as if healthy. So a panic ends the process: `serve`, Kubernetes or systemd start a
+            // fresh one and the coordinator recovers the group, as for any lost rank.
+            let handled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.handle(command)));
+            if let Err(payload) = handled {
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "non-string panic payload".into());
+                tracing::error!(panic = %message, exit_code = EXIT_WORKER_PANIC, "the device worker panicked; ending the rank process so that it is restarted");
+                std::process::exit(EXIT_WORKER_PANIC);
+            }
             worker.publish_device_memory();
         }
     })?;
     Ok(sender)
 }
+
+/// Exit status of a rank whose device worker panicked (EX_SOFTWARE).
+pub const EXIT_WORKER_PANIC: i32 = 70;
 
 struct Worker {
     config: WorkerConfig,
@@ -306,6 +322,7 @@ impl Worker {
             })?;
             refuse_by_fault_injection(seq)?;
         }
+        panic_by_fault_injection();
         let logits = shard.model.step(&inputs, &mut shard.caches).map_err(step_error)?;
         let mut tokens = Vec::new();
         for seq in &request.sequences {
@@ -426,13 +443,18 @@ fn sampling_params(p: &pb::SamplingParams) -> SamplingParams {
 }
 
 /// The coordinator admits within capacity; this is the rank's own guard against overcommitting
-/// its memory (e.g. a second coordinator, or a bug).
+/// its memory (e.g. a second coordinator, or a bug). A sequence listed twice is refused here,
+/// before the arithmetic below would count its cache twice.
 fn check_capacity(shard: &mut Shard, inputs: &[SequenceInput<'_>]) -> Result<(), Status> {
+    let mut seen = std::collections::HashSet::with_capacity(inputs.len());
+    if let Some(dup) = inputs.iter().find(|input| !seen.insert(input.seq_id)) {
+        return Err(Status::invalid_argument(format!("sequence {} appears twice in one step", dup.seq_id)));
+    }
     let mut after = shard.caches.cached_tokens();
     for input in inputs {
         let cached = shard.caches.get_mut(input.seq_id).map_or(0, |c| c.len);
         // The sequence keeps its first start_pos cached positions and adds its new tokens.
-        after = after - cached + input.start_pos.min(cached) + input.tokens.len();
+        after = after.saturating_sub(cached).saturating_add(input.start_pos.min(cached)).saturating_add(input.tokens.len());
     }
     if after > shard.capacity {
         return Err(Status::resource_exhausted(format!(
@@ -456,6 +478,18 @@ fn refuse_by_fault_injection(seq: &pb::SequenceStep) -> Result<(), Status> {
             seq.seq_id
         ))),
         _ => Ok(()),
+    }
+}
+
+/// Fault injection for tests (docs/reliability.md): with `TPSERVE_FAULT_PANIC_FILE=PATH` in
+/// its environment, the first rank to find that file at a step removes it and panics, as a bug
+/// in a kernel would. Removing is atomic, so exactly one rank panics per file the test creates.
+fn panic_by_fault_injection() {
+    static PATH: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    if let Some(path) = PATH.get_or_init(|| std::env::var_os("TPSERVE_FAULT_PANIC_FILE").map(PathBuf::from)) {
+        if std::fs::remove_file(path).is_ok() {
+            panic!("panic by fault injection (TPSERVE_FAULT_PANIC_FILE={})", path.display());
+        }
     }
 }
 
