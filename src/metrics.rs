@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -161,38 +161,48 @@ impl Default for RankMetrics {
     }
 }
 
+/// Scrapers open a connection or two; more than this at once are left in the kernel's backlog.
+const METRICS_MAX_CONNECTIONS: usize = 64;
+/// A connection must send a request's headers within this time of opening or of its previous
+/// response, or it is closed: an idle keep-alive connection and a slowloris alike.
+const METRICS_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// No connection lives longer than this, whatever it does.
+const METRICS_CONNECTION_LIFETIME: Duration = Duration::from_secs(300);
+
 /// Serves `GET /metrics` with whatever `render` returns, until the process ends.
 pub async fn serve(address: &str, render: impl Fn() -> String + Send + Sync + Clone + 'static) -> Result<()> {
-    use http_body_util::Full;
-    use hyper::{Response, StatusCode};
-
-    let listener = tokio::net::TcpListener::bind(address).await.with_context(|| format!("cannot listen for metrics on {address}"))?;
-    tracing::info!(address = %listener.local_addr()?, "serving Prometheus metrics at /metrics");
+    let listener = crate::net::Listener::bind(&crate::net::Address::Tcp(address.to_owned()))
+        .await
+        .with_context(|| format!("cannot listen for metrics on {address}"))?;
+    tracing::info!(address = %listener.local_address()?, "serving Prometheus metrics at /metrics");
+    let slots = Arc::new(tokio::sync::Semaphore::new(METRICS_MAX_CONNECTIONS));
+    let mut backoff = crate::net::AcceptBackoff::new("metrics");
     loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(err) => {
-                tracing::warn!(error = %err, "metrics accept failed");
-                continue;
-            }
-        };
+        let connection = listener.accept(&slots, &mut backoff).await;
         let render = render.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-                let render = render.clone();
-                async move {
-                    let response = if request.uri().path() == "/metrics" {
-                        Response::builder()
-                            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-                            .body(Full::new(bytes::Bytes::from(render())))
-                    } else {
-                        Response::builder().status(StatusCode::NOT_FOUND).body(Full::new(bytes::Bytes::from_static(b"not found; try /metrics\n")))
-                    };
-                    response
-                }
-            });
-            let io = hyper_util::rt::TokioIo::new(stream);
-            let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+            let io = hyper_util::rt::TokioIo::new(connection);
+            let serving = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(METRICS_HEADER_TIMEOUT)
+                .serve_connection(io, hyper::service::service_fn(move |request| respond(request, render.clone())));
+            let _ = tokio::time::timeout(METRICS_CONNECTION_LIFETIME, serving).await;
         });
+    }
+}
+
+async fn respond(
+    request: hyper::Request<hyper::body::Incoming>,
+    render: impl Fn() -> String,
+) -> Result<hyper::Response<http_body_util::Full<bytes::Bytes>>, hyper::http::Error> {
+    use hyper::{Response, StatusCode};
+    if request.uri().path() == "/metrics" {
+        Response::builder()
+            .header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+            .body(http_body_util::Full::new(bytes::Bytes::from(render())))
+    } else {
+        Response::builder()
+            .status(StatusCode::NOT_FOUND)
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"not found; try /metrics\n")))
     }
 }

@@ -441,3 +441,180 @@ async fn a_rank_lost_while_two_models_stream_recovers_once() {
     let log = server.log();
     assert_eq!(recoveries(&log), 1, "one lost rank, one recovery:\n{log}");
 }
+
+/// Health as the server reports it over an existing connection (a new one may be impossible
+/// while the server is out of descriptors).
+async fn health(channel: &Channel) -> Option<i32> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let request = HealthCheckRequest { service: String::new() };
+    HealthClient::new(channel.clone()).check(request).await.ok().map(|r| r.into_inner().status)
+}
+
+const SERVING: i32 = 1;
+
+/// Sets the soft RLIMIT_NOFILE of process `pid` and returns the old limits.
+fn set_open_files_limit(pid: i32, soft: u64) -> libc::rlimit {
+    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: prlimit with a null new limit only reads the current one into `old`.
+    assert_eq!(unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) }, 0);
+    let new = libc::rlimit { rlim_cur: soft, rlim_max: old.rlim_max };
+    // SAFETY: both pointers are to live rlimit values; the target is our own child.
+    assert_eq!(unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) }, 0);
+    old
+}
+
+/// With the server out of file descriptors, a killed rank cannot be restarted: `serve` logs
+/// each failed start and keeps retrying with backoff, health says NOT_SERVING, and the accept
+/// loops of the public and metrics ports back off instead of spinning (a few log lines, not
+/// megabytes). Once descriptors are back the rank starts, the group recovers and serves the
+/// same tokens as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rank_that_cannot_be_restarted_is_retried_until_it_can() {
+    let _serial = one_at_a_time();
+    let metrics_port = common::free_port();
+    let metrics_listen = format!("127.0.0.1:{metrics_port}");
+    let server = common::Served::start_with("qwen3_a", 2, &["--metrics-listen", &metrics_listen]);
+    let undisturbed = run_stream(&server.address, greedy(64)).await;
+    let kept = channel(&server.address).await;
+    assert_eq!(health(&kept).await, Some(SERVING));
+
+    // Descriptors 0..8 (stdio, the runtime's epoll and wakers) stay open: with the soft limit at
+    // 8, every new descriptor fails with EMFILE.
+    let serve = server.child.id() as i32;
+    let old = set_open_files_limit(serve, 8);
+    unsafe { libc::kill(common::rank_pid(server.child.id(), 1), libc::SIGKILL) };
+    // Clients knock on both ports meanwhile; the server cannot accept them.
+    let knocking_tcp: Vec<_> = (0..20).filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", metrics_port)).ok()).collect();
+    let knocking_unix: Vec<_> = (0..20).filter_map(|_| std::os::unix::net::UnixStream::connect(unix_path(&server.address)).ok()).collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while server.log().matches("cannot start rank process; retrying").count() < 3 {
+        assert!(Instant::now() < deadline, "no retried start within 30 s:\n{}", server.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_ne!(health(&kept).await, Some(SERVING), "health must not say SERVING while a rank is missing");
+    set_open_files_limit(serve, old.rlim_cur);
+    drop((knocking_tcp, knocking_unix));
+
+    common::wait_serving(&server.address, Duration::from_secs(90));
+    assert_eq!(run_stream(&server.address, greedy(64)).await.ids, undisturbed.ids);
+    let log = server.log();
+    let accept_warnings = log.matches("cannot accept connections").count();
+    assert!((1..=12).contains(&accept_warnings), "accept failures must be paced and logged sparingly ({accept_warnings} warnings):\n{log}");
+    assert!(log.len() < 1 << 20, "the log grew to {} bytes", log.len());
+    assert!(log.contains("accepting connections again"), "{log}");
+}
+
+/// The metrics port closes idle keep-alive connections, connections that never send a request
+/// and slowloris clients after its header timeout (10 s), and past its connection cap (64) a
+/// scraper waits for a slot rather than a descriptor each.
+#[test]
+fn metrics_connections_are_closed_after_the_timeout() {
+    use std::io::{Read, Write};
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port();
+    let mut rank = common::tpserve()
+        .args(["rank", "--listen", &format!("unix://{}", dir.path().join("rank.sock").display())])
+        .args(["--metrics-listen", &format!("127.0.0.1:{port}")])
+        .env("TPSERVE_CLUSTER_TOKEN", "test-token")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let connect = || {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match std::net::TcpStream::connect(("127.0.0.1", port)) {
+                Ok(stream) => break stream,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+                Err(err) => panic!("metrics port never opened: {err}"),
+            }
+        }
+    };
+    // Waits for the server to close `stream` (EOF or reset), reading whatever it sends first.
+    let closed_after = |mut stream: std::net::TcpStream, started: Instant| {
+        stream.set_read_timeout(Some(Duration::from_secs(40))).unwrap();
+        let mut sink = Vec::new();
+        let _ = stream.read_to_end(&mut sink);
+        started.elapsed()
+    };
+    assert!(scrape_when_up(port).contains("tpserve:rank_step_duration_seconds"));
+
+    let started = Instant::now();
+    let silent = connect();
+    let mut slow = connect();
+    let mut keep_alive = connect();
+    keep_alive.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let slowloris = std::thread::spawn(move || {
+        slow.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
+        for _ in 0..30 {
+            std::thread::sleep(Duration::from_secs(1));
+            if slow.write_all(b"X").is_err() {
+                break;
+            }
+        }
+        slow
+    });
+    for (what, elapsed) in [
+        ("a connection that never sends a request", closed_after(silent, started)),
+        ("an idle keep-alive connection", closed_after(keep_alive, started)),
+        ("a slowloris", closed_after(slowloris.join().unwrap(), started)),
+    ] {
+        assert!(elapsed < Duration::from_secs(25), "{what} stayed open {elapsed:?}");
+    }
+
+    // 80 silent connections, past the cap: a scrape still gets through once they time out.
+    let hogs: Vec<_> = (0..80).map(|_| connect()).collect();
+    let started = Instant::now();
+    assert!(scrape_when_up(port).contains("tpserve:rank_step_duration_seconds"));
+    assert!(started.elapsed() < Duration::from_secs(40), "a scrape waited {:?} behind idle connections", started.elapsed());
+    drop(hogs);
+    common::terminate(&mut rank);
+}
+
+/// A scrape that waits (up to 60 s) for the port to accept and answer.
+fn scrape_when_up(port: u16) -> String {
+    use std::io::{Read, Write};
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let attempt = std::net::TcpStream::connect(("127.0.0.1", port)).and_then(|mut stream| {
+            stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+            stream.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")?;
+            let mut text = String::new();
+            stream.read_to_string(&mut text)?;
+            Ok(text)
+        });
+        match attempt {
+            Ok(text) if !text.is_empty() => return text,
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            other => panic!("no metrics from port {port}: {other:?}"),
+        }
+    }
+}
+
+/// A panic in a rank's device worker (fault injection, as a kernel bug would) ends that rank
+/// process; `serve` restarts it, the group recovers once and the stream resumes with the tokens
+/// of an undisturbed run.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_device_worker_panic_restarts_the_rank_and_streams_resume() {
+    let _serial = one_at_a_time();
+    let dir = tempfile::tempdir().unwrap();
+    let trigger = dir.path().join("panic-now");
+    let trigger_env = trigger.to_str().unwrap();
+    let server = common::Served::start_with_env("qwen3_a", 2, &[], &[("TPSERVE_FAULT_PANIC_FILE", trigger_env)]);
+    let undisturbed = run_stream(&server.address, greedy(400)).await;
+    let (stream, ids) = start_stream(&server.address, greedy(400), 20).await;
+    let running = tokio::spawn(read_stream(stream, ids));
+    std::fs::write(&trigger, b"").unwrap();
+    let outcome = running.await.unwrap();
+    assert!(outcome.error.is_none(), "the stream must pause, not fail: {:?}", outcome.error);
+    assert_eq!(outcome.ids, undisturbed.ids);
+    assert!(!trigger.exists(), "a rank must have taken the fault");
+    let log = server.log();
+    assert!(log.contains("the device worker panicked; ending the rank process"), "{log}");
+    assert!(log.contains("rank process exited; restarting it"), "{log}");
+    assert_eq!(recoveries(&log), 1, "{log}");
+    common::wait_serving(&server.address, Duration::from_secs(30));
+}

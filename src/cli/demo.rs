@@ -41,6 +41,7 @@ pub async fn run() -> Result<ExitCode> {
         prefill_chunk: 512,
         max_waiting: 16,
         max_concurrent_rpcs: 64,
+        max_connections: 64,
         request_timeout_secs: 60,
         shutdown_grace_secs: 5,
         max_prompt_bytes: 1 << 20,

@@ -189,6 +189,9 @@ pub struct SchedulerArgs {
     /// RPCs handled at once by the public server; more are shed with UNAVAILABLE
     #[arg(long, default_value_t = 1024)]
     pub max_concurrent_rpcs: usize,
+    /// Open connections to the public port; more wait in the kernel's backlog until one closes
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
     /// Seconds to produce a response (a unary call, or the start of a stream)
     #[arg(long, default_value_t = 600)]
     pub request_timeout_secs: u64,
@@ -230,14 +233,15 @@ impl SchedulerArgs {
     }
 
     pub fn limits(&self) -> Result<RpcLimits> {
-        if self.max_concurrent_rpcs == 0 || self.request_timeout_secs == 0 {
-            bail!("--max-concurrent-rpcs and --request-timeout-secs must be positive");
+        if self.max_concurrent_rpcs == 0 || self.max_connections == 0 || self.request_timeout_secs == 0 {
+            bail!("--max-concurrent-rpcs, --max-connections and --request-timeout-secs must be positive");
         }
         if self.max_prompt_bytes == 0 || self.max_chat_messages == 0 || self.max_stop_bytes == 0 || self.stream_buffer == 0 {
             bail!("--max-prompt-bytes, --max-chat-messages, --max-stop-bytes and --stream-buffer must be positive");
         }
         Ok(RpcLimits {
             max_concurrent_rpcs: self.max_concurrent_rpcs,
+            max_connections: self.max_connections,
             request_timeout: Duration::from_secs(self.request_timeout_secs),
             request: RequestLimits {
                 max_prompt_bytes: self.max_prompt_bytes,

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use candle_core::Device;
@@ -239,7 +239,10 @@ fn absolute(path: &Path) -> Result<PathBuf> {
     std::path::absolute(path).with_context(|| format!("invalid model path {}", path.display()))
 }
 
-/// Runs one rank process, restarting it if it dies before shutdown.
+/// Runs one rank process, restarting it whenever it dies before shutdown. Neither a failed start
+/// (out of file descriptors or memory, say) nor a crash loop is ever final: each is logged and
+/// retried after a backoff that doubles up to 10 s, and resets once a rank has run for a while.
+/// Meanwhile the coordinator's watchdog reports the group NOT_SERVING.
 async fn supervise_rank(
     exe: PathBuf,
     args: Vec<String>,
@@ -247,24 +250,42 @@ async fn supervise_rank(
     rank: usize,
     (draining, stopping): (Arc<AtomicBool>, Arc<AtomicBool>),
 ) {
+    let shutting_down = || draining.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst);
+    let mut backoff = RESPAWN_BACKOFF_FIRST;
     let mut restarts = 0u32;
     loop {
-        let mut child = match spawn_rank(&exe, &args, &env) {
-            Ok(child) => child,
-            Err(err) => {
-                tracing::error!(rank, error = %format!("{err:#}"), "cannot start rank process");
-                return;
+        match spawn_rank(&exe, &args, &env) {
+            Ok(mut child) => {
+                let started = Instant::now();
+                let status = wait_or_stop(&mut child, &stopping).await;
+                if shutting_down() {
+                    return;
+                }
+                if started.elapsed() >= RESPAWN_HEALTHY_AFTER {
+                    backoff = RESPAWN_BACKOFF_FIRST;
+                }
+                restarts += 1;
+                tracing::warn!(rank, ?status, restarts, retry_in_ms = backoff.as_millis() as u64, "rank process exited; restarting it");
             }
-        };
-        let status = wait_or_stop(&mut child, &stopping).await;
-        if draining.load(Ordering::SeqCst) || stopping.load(Ordering::SeqCst) {
+            Err(err) => {
+                if shutting_down() {
+                    return;
+                }
+                tracing::error!(rank, error = %format!("{err:#}"), retry_in_ms = backoff.as_millis() as u64, "cannot start rank process; retrying");
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(RESPAWN_BACKOFF_MAX);
+        if shutting_down() {
             return;
         }
-        restarts += 1;
-        tracing::warn!(rank, ?status, restarts, "rank process exited; restarting it");
-        tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
+
+const RESPAWN_BACKOFF_FIRST: Duration = Duration::from_millis(300);
+const RESPAWN_BACKOFF_MAX: Duration = Duration::from_secs(10);
+/// A rank that ran this long before dying was not crash-looping: restart it promptly.
+const RESPAWN_HEALTHY_AFTER: Duration = Duration::from_secs(60);
 
 /// Waits for the child; once stopping is set, gives it a grace period, then kills it.
 async fn wait_or_stop(child: &mut Child, stopping: &AtomicBool) -> Option<std::process::ExitStatus> {

@@ -512,7 +512,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
         options.limits.clone(),
         options.tokens.clone(),
         options.tls.clone(),
-        listener.into_incoming(),
+        listener.into_incoming(options.limits.max_connections, "public API"),
         async move {
             let _ = server_stopped.await;
         },

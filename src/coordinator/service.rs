@@ -25,6 +25,8 @@ type ResponseStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Sta
 pub struct RpcLimits {
     /// RPCs handled at once; beyond it new ones are shed with UNAVAILABLE instead of queueing
     pub max_concurrent_rpcs: usize,
+    /// open connections to the public port; past it new clients wait in the kernel's backlog
+    pub max_connections: usize,
     /// bound on producing a response: the whole of a unary call, the start of a stream
     pub request_timeout: std::time::Duration,
     /// bounds on what one request may carry
@@ -35,6 +37,7 @@ impl Default for RpcLimits {
     fn default() -> Self {
         Self {
             max_concurrent_rpcs: 1024,
+            max_connections: 1024,
             request_timeout: std::time::Duration::from_secs(600),
             request: RequestLimits::default(),
         }

@@ -263,6 +263,10 @@ fn checkpoint_bytes(path: &str) -> u64 {
         .sum()
 }
 
+/// A rank's clients are its coordinator (one channel, reconnecting after a failure), probes and
+/// the odd operator tool; this bounds what anything else can open.
+const MAX_CONNECTIONS: usize = 64;
+
 /// Runs a rank server until Shutdown, SIGINT or SIGTERM.
 pub async fn run(options: RankOptions) -> anyhow::Result<()> {
     let options = Arc::new(options);
@@ -324,7 +328,7 @@ pub async fn run(options: RankOptions) -> anyhow::Result<()> {
             _ = crate::signals::termination_signal() => {}
         }
     };
-    router.serve_with_incoming_shutdown(listener.into_incoming(), stop).await?;
+    router.serve_with_incoming_shutdown(listener.into_incoming(MAX_CONNECTIONS, "rank"), stop).await?;
     if let Some(comm) = shared.lock().unwrap_or_else(|p| p.into_inner()).communicator.take() {
         comm.abort();
     }
