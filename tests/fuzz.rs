@@ -371,6 +371,22 @@ async fn rank_survives_random_steps() {
     assert_eq!(ok + refused, CASES);
     assert!(ok > 0 && refused * 2 >= CASES, "{ok} ran, {refused} refused: the generator must reach both");
 
+    // A cached sequence listed twice in one step: refused, not a subtraction that underflows
+    // in the rank's capacity check (once a panic that killed its device worker).
+    let step = |step: u64, sequences: Vec<(u32, usize)>| rank_pb::GenerateStepRequest {
+        model_id: "m".into(),
+        step,
+        epoch: 1,
+        sequences: sequences
+            .into_iter()
+            .map(|(start_pos, len)| rank_pb::SequenceStep { seq_id: 77, token_ids: vec![5; len], start_pos, sample: false, ..Default::default() })
+            .collect(),
+    };
+    client.generate_step(step(9_000, vec![(0, 50)])).await.unwrap();
+    let status = client.generate_step(step(9_001, vec![(0, 1), (0, 1)])).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("appears twice"), "{}", status.message());
+
     // Not wedged: clear everything and reproduce the reference greedy tokens step by step.
     client.clear_kv(rank_pb::ClearKvRequest { model_id: "m".into(), seq_ids: vec![], all: true }).await.unwrap();
     let prompt = &common::expected("qwen3_a")[0];

@@ -361,6 +361,13 @@ mod tests {
     }
 
     #[test]
+    fn refuses_a_context_too_long_to_tabulate() {
+        let text = QWEN3.replace(r#""eos_token_id":2"#, r#""eos_token_id":2,"max_position_embeddings":1000000000000"#);
+        let err = format!("{:#}", ModelConfig::from_json_str(&text).unwrap_err());
+        assert!(err.contains("max_position_embeddings") && err.contains("4194304"), "{err}");
+    }
+
+    #[test]
     fn accepts_top_level_rope_theta() {
         let text = QWEN3.replace(r#""rope_parameters":{"rope_theta":1e6,"rope_type":"default"}"#, r#""rope_theta":5e5"#);
         assert_eq!(ModelConfig::from_json_str(&text).unwrap().rope_theta, 5e5);

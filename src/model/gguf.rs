@@ -376,4 +376,44 @@ mod tests {
         assert_eq!(back.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
         assert_ne!(gguf.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
     }
+
+    /// A GGUF v3 file with no metadata and one tensor of `dims` (GGML order) and `dtype`.
+    fn gguf_with_tensor(dims: &[u64], dtype: u32, data_bytes: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend(b"GGUF");
+        out.extend(3u32.to_le_bytes());
+        out.extend(1u64.to_le_bytes()); // tensors
+        out.extend(0u64.to_le_bytes()); // metadata entries
+        let name = b"token_embd.weight";
+        out.extend((name.len() as u64).to_le_bytes());
+        out.extend(name);
+        out.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            out.extend(d.to_le_bytes());
+        }
+        out.extend(dtype.to_le_bytes());
+        out.extend(0u64.to_le_bytes()); // offset
+        out.resize(out.len().next_multiple_of(32), 0);
+        out.resize(out.len() + data_bytes, 0);
+        out
+    }
+
+    fn open_error(bytes: &[u8]) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bad.gguf");
+        std::fs::write(&path, bytes).unwrap();
+        format!("{:#}", GgufFile::open(&path).err().expect("the file must be refused"))
+    }
+
+    #[test]
+    fn refuses_empty_and_partial_block_shapes() {
+        // f32 (type 0): a zero dimension, either way round.
+        for dims in [[0u64, 8], [8, 0]] {
+            let err = open_error(&gguf_with_tensor(&dims, 0, 0));
+            assert!(err.contains("every dimension must be positive"), "{dims:?}: {err}");
+        }
+        // Q8_0 (type 8, blocks of 32 values in 34 bytes): rows of 48 values.
+        let err = open_error(&gguf_with_tensor(&[48, 2], 8, 34 * 3));
+        assert!(err.contains("not a whole number of"), "{err}");
+    }
 }
