@@ -1,5 +1,6 @@
 //! The rank server: one tensor-parallel shard, its caches and its communicator.
 
+pub mod error;
 pub mod offline;
 pub mod sampling;
 pub mod server;

@@ -15,6 +15,7 @@ use crate::net::{Address, Listener};
 use crate::proto::rank::v1 as pb;
 use crate::proto::rank::v1::rank_server::{Rank, RankServer};
 use crate::proto::RANK_PROTOCOL_VERSION;
+use crate::rank::error::Error;
 use crate::rank::worker::{self, Command, SharedState, WorkerConfig};
 
 /// Settings of one rank process.
@@ -55,12 +56,10 @@ impl RankService {
     }
 
     /// Queues a command for the device worker and waits for its reply.
-    async fn call<T>(&self, make: impl FnOnce(worker::Reply<T>) -> Command) -> Result<T, Status> {
+    async fn call<T>(&self, make: impl FnOnce(worker::Reply<T>) -> Command) -> Result<T, Error> {
         let (reply, receive) = oneshot::channel();
-        self.commands
-            .send(make(reply))
-            .map_err(|_| Status::internal("the device worker has stopped"))?;
-        receive.await.map_err(|_| Status::internal("the device worker dropped the request"))?
+        self.commands.send(make(reply)).map_err(|_| Error::worker_gone())?;
+        receive.await.map_err(|_| Error::worker_gone())?
     }
 }
 
@@ -71,10 +70,11 @@ impl Rank for RankService {
     async fn info(&self, request: Request<pb::InfoRequest>) -> Result<Response<pb::InfoResponse>, Status> {
         let asked = request.get_ref().protocol_version;
         if asked != RANK_PROTOCOL_VERSION {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::not_ready(format!(
                 "rank protocol version mismatch: this rank speaks {RANK_PROTOCOL_VERSION}, the caller {asked}; \
                  run the same tpserve version on the coordinator and every rank"
-            )));
+            ))
+            .into());
         }
         // A GPU rank reports its device's memory, which only the device worker can read.
         let nccl = self.options.device.is_cuda();
@@ -107,8 +107,8 @@ impl Rank for RankService {
         if self.options.device.is_cuda() {
             let id = tokio::task::spawn_blocking(crate::comm::nccl::NcclId::new)
                 .await
-                .map_err(|err| Status::internal(format!("NCCL id task failed: {err}")))?
-                .map_err(|err| Status::unavailable(format!("cannot create an NCCL id: {err}")))?;
+                .map_err(|err| Error::internal(format!("NCCL id task failed: {err}")))?
+                .map_err(|err| Error::collective(format!("cannot create an NCCL id: {err}")))?;
             return Ok(Response::new(pb::CreateCommIdResponse { comm_id: id.to_bytes() }));
         }
         let epoch = request.get_ref().epoch;
@@ -119,8 +119,8 @@ impl Rank for RankService {
             socket::create_comm_id(&bind, advertise.as_deref())
         })
             .await
-            .map_err(|err| Status::internal(format!("rendezvous task failed: {err}")))?
-            .map_err(|err| Status::unavailable(format!("cannot open the rendezvous: {err}")))?;
+            .map_err(|err| Error::internal(format!("rendezvous task failed: {err}")))?
+            .map_err(|err| Error::collective(format!("cannot open the rendezvous: {err}")))?;
         *self.rendezvous.lock().unwrap_or_else(|p| p.into_inner()) = Some((epoch, rendezvous));
         Ok(Response::new(pb::CreateCommIdResponse { comm_id: id.to_bytes() }))
     }
@@ -133,10 +133,11 @@ impl Rank for RankService {
             match taken {
                 Some((epoch, rendezvous)) if epoch == request.epoch => Some(rendezvous),
                 _ => {
-                    return Err(Status::failed_precondition(format!(
+                    return Err(Error::not_ready(format!(
                         "rank 0 has no rendezvous for epoch {}: call CreateCommId on rank 0 first",
                         request.epoch
-                    )));
+                    ))
+                    .into());
                 }
             }
         } else {
@@ -167,7 +168,7 @@ impl Rank for RankService {
         let (reply, done) = oneshot::channel();
         self.commands
             .send(Command::Load { request, progress: progress.clone(), reply })
-            .map_err(|_| Status::internal("the device worker has stopped"))?;
+            .map_err(|_| Error::worker_gone())?;
         let (sender, receiver) = tokio::sync::mpsc::channel(16);
         tokio::spawn(report_progress(progress, bytes_total, done, sender));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
@@ -222,7 +223,7 @@ impl Rank for RankService {
 async fn report_progress(
     progress: Arc<LoadProgress>,
     bytes_total: u64,
-    mut done: oneshot::Receiver<Result<pb::ShardInfo, Status>>,
+    mut done: oneshot::Receiver<Result<pb::ShardInfo, Error>>,
     sender: tokio::sync::mpsc::Sender<Result<pb::LoadShardProgress, Status>>,
 ) {
     let snapshot = |done: bool, shard: Option<pb::ShardInfo>| pb::LoadShardProgress {
@@ -238,8 +239,8 @@ async fn report_progress(
             result = &mut done => {
                 let last = match result {
                     Ok(Ok(shard)) => Ok(snapshot(true, Some(shard))),
-                    Ok(Err(status)) => Err(status),
-                    Err(_) => Err(Status::internal("the device worker dropped the request")),
+                    Ok(Err(error)) => Err(error.into()),
+                    Err(_) => Err(Error::worker_gone().into()),
                 };
                 let _ = sender.send(last).await;
                 return;

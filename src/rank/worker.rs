@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use tokio::sync::oneshot;
-use tonic::Status;
 
 use crate::comm::Collective;
 use crate::comm::socket::{CommId, Rendezvous, SocketCollective, SocketOptions};
@@ -19,9 +18,10 @@ use crate::model::loader::LoadProgress;
 use crate::model::parallel::TpGroup;
 use crate::model::{CacheStore, LoadOptions, Model, SequenceInput};
 use crate::proto::rank::v1 as pb;
+use super::error::{Error, Kind};
 use crate::rank::sampling::{Sampler, SamplingParams};
 
-pub type Reply<T> = oneshot::Sender<Result<T, Status>>;
+pub type Reply<T> = oneshot::Sender<Result<T, Error>>;
 
 pub enum Command {
     Init { request: pb::InitRequest, rendezvous: Option<Rendezvous>, reply: Reply<pb::InitResponse> },
@@ -162,7 +162,7 @@ impl Worker {
                 let _ = reply.send(if removed {
                     Ok(pb::UnloadResponse {})
                 } else {
-                    Err(Status::not_found(format!("model \"{}\" is not loaded on this rank", request.model_id)))
+                    Err(Error::model_not_loaded(&request.model_id))
                 });
             }
         }
@@ -178,10 +178,10 @@ impl Worker {
         self.shared().loaded_models = names;
     }
 
-    fn init(&mut self, request: pb::InitRequest, rendezvous: Option<Rendezvous>) -> Result<pb::InitResponse, Status> {
+    fn init(&mut self, request: pb::InitRequest, rendezvous: Option<Rendezvous>) -> Result<pb::InitResponse, Error> {
         let (rank, world_size) = (request.rank as usize, request.world_size as usize);
         if world_size == 0 || rank >= world_size {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::invalid(format!(
                 "rank {rank} is not valid for world size {world_size}"
             )));
         }
@@ -190,13 +190,13 @@ impl Worker {
             (shared.epoch, shared.requested_epoch)
         };
         if request.epoch < requested_epoch {
-            return Err(Status::aborted(format!(
+            return Err(Error::new(Kind::Superseded, format!(
                 "Init for epoch {} was superseded by epoch {requested_epoch} while it waited",
                 request.epoch
             )));
         }
         if self.group.is_some() && request.epoch < current_epoch {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::not_ready(format!(
                 "Init epoch {} is older than this rank's epoch {current_epoch}",
                 request.epoch
             )));
@@ -237,13 +237,13 @@ impl Worker {
         request: &pb::InitRequest,
         rendezvous: Option<Rendezvous>,
         init_timeout: Duration,
-    ) -> Result<Arc<dyn Collective>, Status> {
+    ) -> Result<Arc<dyn Collective>, Error> {
         let (rank, world_size) = (request.rank as usize, request.world_size as usize);
         #[cfg(feature = "cuda")]
         if self.config.device.is_cuda() {
             use crate::comm::nccl::{NcclCollective, NcclId, NcclOptions};
             let id = NcclId::from_bytes(&request.comm_id)
-                .map_err(|err| Status::invalid_argument(format!("bad comm_id: {err}")))?;
+                .map_err(|err| Error::invalid(format!("bad comm_id: {err}")))?;
             // NCCL's kernels stop moments after an abort: a device still busy a collective
             // timeout later is wedged, and the rank exits to be restarted (docs/gpu.md).
             let options = NcclOptions {
@@ -252,28 +252,28 @@ impl Worker {
                 abort_timeout: self.config.collective_timeout,
             };
             let comm = NcclCollective::init(&id, rank, world_size, &self.config.device, options)
-                .map_err(|err| Status::unavailable(format!("NCCL communicator init failed: {err}")))?;
+                .map_err(|err| Error::collective(format!("NCCL communicator init failed: {err}")))?;
             return Ok(Arc::new(comm));
         }
         let comm_id = CommId::from_bytes(&request.comm_id)
-            .map_err(|err| Status::invalid_argument(format!("bad comm_id: {err}")))?;
+            .map_err(|err| Error::invalid(format!("bad comm_id: {err}")))?;
         let options = SocketOptions { init_timeout, op_timeout: self.config.collective_timeout };
         let comm = SocketCollective::init(&comm_id, rank, world_size, rendezvous, options)
-            .map_err(|err| Status::unavailable(format!("communicator init failed: {err}")))?;
+            .map_err(|err| Error::collective(format!("communicator init failed: {err}")))?;
         Ok(Arc::new(comm))
     }
 
-    fn load(&mut self, request: pb::LoadShardRequest, progress: Arc<LoadProgress>) -> Result<pb::ShardInfo, Status> {
+    fn load(&mut self, request: pb::LoadShardRequest, progress: Arc<LoadProgress>) -> Result<pb::ShardInfo, Error> {
         let group = self.group.clone().ok_or_else(not_initialized)?;
         if request.model_id.is_empty() {
-            return Err(Status::invalid_argument("model_id must not be empty"));
+            return Err(Error::invalid("model_id must not be empty"));
         }
         let dtype = parse_dtype(&request.dtype, &self.config.device)?;
         let options = LoadOptions { dtype, device: self.config.device.clone() };
         let path = PathBuf::from(&request.model_path);
         let started = Instant::now();
         let model = Model::load(&path, &group, &options, progress)
-            .map_err(|err| Status::invalid_argument(format!("cannot load {}: {err:#}", path.display())))?;
+            .map_err(|err| Error::invalid(format!("cannot load {}: {err:#}", path.display())))?;
         let mut info = shard_info(&model);
         info.kv_capacity_tokens = self.kv_capacity_tokens(info.kv_bytes_per_token, group.world_size);
         tracing::info!(model = %request.model_id, path = %path.display(), elapsed = ?started.elapsed(), "shard loaded");
@@ -284,7 +284,7 @@ impl Worker {
         Ok(info)
     }
 
-    fn step(&mut self, request: pb::GenerateStepRequest) -> Result<pb::GenerateStepResponse, Status> {
+    fn step(&mut self, request: pb::GenerateStepRequest) -> Result<pb::GenerateStepResponse, Error> {
         let started = Instant::now();
         let (rank, epoch) = {
             let shared = self.shared();
@@ -294,13 +294,13 @@ impl Worker {
             return Err(not_initialized());
         }
         if request.epoch != epoch {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::not_ready(format!(
                 "step for epoch {} but this rank is in epoch {epoch}",
                 request.epoch
             )));
         }
         let shard = self.models.get_mut(&request.model_id).ok_or_else(|| {
-            Status::not_found(format!("model \"{}\" is not loaded on this rank", request.model_id))
+            Error::model_not_loaded(&request.model_id)
         })?;
         let inputs: Vec<SequenceInput<'_>> = request
             .sequences
@@ -318,7 +318,7 @@ impl Worker {
         for seq in request.sequences.iter().filter(|s| s.sample) {
             let params = sampling_params(&seq.sampling.clone().unwrap_or_default());
             params.validate(vocab_size).map_err(|reason| {
-                Status::invalid_argument(format!("sequence {}: {reason}", seq.seq_id))
+                Error::invalid(format!("sequence {}: {reason}", seq.seq_id))
             })?;
             refuse_by_fault_injection(seq)?;
         }
@@ -334,7 +334,7 @@ impl Worker {
                 let mut values = logits
                     .get(row)
                     .and_then(|r| r.to_vec1::<f32>())
-                    .map_err(|err| Status::internal(format!("reading logits: {err}")))?;
+                    .map_err(|err| Error::internal(format!("reading logits: {err}")))?;
                 let params = seq.sampling.clone().unwrap_or_default();
                 for &id in &params.suppressed_token_ids {
                     if let Some(v) = values.get_mut(id as usize) {
@@ -358,9 +358,9 @@ impl Worker {
         })
     }
 
-    fn clear_kv(&mut self, request: pb::ClearKvRequest) -> Result<pb::ClearKvResponse, Status> {
+    fn clear_kv(&mut self, request: pb::ClearKvRequest) -> Result<pb::ClearKvResponse, Error> {
         let shard = self.models.get_mut(&request.model_id).ok_or_else(|| {
-            Status::not_found(format!("model \"{}\" is not loaded on this rank", request.model_id))
+            Error::model_not_loaded(&request.model_id)
         })?;
         let cleared = if request.all {
             shard.sequences.clear();
@@ -396,7 +396,7 @@ impl SequenceTokens {
         self.tokens.extend_from_slice(&seq.token_ids);
     }
 
-    fn sample(&mut self, seq: &pb::SequenceStep, params: &pb::SamplingParams, logits: &[f32]) -> Result<pb::SampledToken, Status> {
+    fn sample(&mut self, seq: &pb::SequenceStep, params: &pb::SamplingParams, logits: &[f32]) -> Result<pb::SampledToken, Error> {
         let prompt_len = (seq.prompt_len as usize).min(self.tokens.len());
         if self.sampler.is_none() {
             // The chosen token's logprob costs a vocabulary-wide pass: only when asked.
@@ -405,7 +405,7 @@ impl SequenceTokens {
             self.observed = prompt_len;
         }
         let Some(sampler) = self.sampler.as_mut() else {
-            return Err(Status::internal("sampler missing"));
+            return Err(Error::internal("sampler missing"));
         };
         if self.observed < self.tokens.len() {
             sampler.observe(&self.tokens[self.observed..]);
@@ -445,10 +445,10 @@ fn sampling_params(p: &pb::SamplingParams) -> SamplingParams {
 /// The coordinator admits within capacity; this is the rank's own guard against overcommitting
 /// its memory (e.g. a second coordinator, or a bug). A sequence listed twice is refused here,
 /// before the arithmetic below would count its cache twice.
-fn check_capacity(shard: &mut Shard, inputs: &[SequenceInput<'_>]) -> Result<(), Status> {
+fn check_capacity(shard: &mut Shard, inputs: &[SequenceInput<'_>]) -> Result<(), Error> {
     let mut seen = std::collections::HashSet::with_capacity(inputs.len());
     if let Some(dup) = inputs.iter().find(|input| !seen.insert(input.seq_id)) {
-        return Err(Status::invalid_argument(format!("sequence {} appears twice in one step", dup.seq_id)));
+        return Err(Error::invalid(format!("sequence {} appears twice in one step", dup.seq_id)));
     }
     let mut after = shard.caches.cached_tokens();
     for input in inputs {
@@ -457,7 +457,7 @@ fn check_capacity(shard: &mut Shard, inputs: &[SequenceInput<'_>]) -> Result<(),
         after = after.saturating_sub(cached).saturating_add(input.start_pos.min(cached)).saturating_add(input.tokens.len());
     }
     if after > shard.capacity {
-        return Err(Status::resource_exhausted(format!(
+        return Err(Error::new(Kind::Capacity, format!(
             "this step would hold {after} tokens of KV cache but this rank's capacity is {}",
             shard.capacity
         )));
@@ -469,11 +469,11 @@ fn check_capacity(shard: &mut Shard, inputs: &[SequenceInput<'_>]) -> Result<(),
 /// environment, a rank refuses every step that samples a sequence seeded N, before the forward
 /// pass, as it refuses any bad request. That is the request-level rank error a coordinator must
 /// fail alone, which a coordinator that validates its requests never causes otherwise.
-fn refuse_by_fault_injection(seq: &pb::SequenceStep) -> Result<(), Status> {
+fn refuse_by_fault_injection(seq: &pb::SequenceStep) -> Result<(), Error> {
     static SEED: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
     let seed = *SEED.get_or_init(|| std::env::var("TPSERVE_FAULT_REFUSE_SEED").ok().and_then(|v| v.parse().ok()));
     match (seed, &seq.sampling) {
-        (Some(seed), Some(params)) if params.seed == seed => Err(Status::invalid_argument(format!(
+        (Some(seed), Some(params)) if params.seed == seed => Err(Error::invalid(format!(
             "sequence {}: refused by fault injection (TPSERVE_FAULT_REFUSE_SEED={seed})",
             seq.seq_id
         ))),
@@ -493,8 +493,8 @@ fn panic_by_fault_injection() {
     }
 }
 
-fn not_initialized() -> Status {
-    Status::failed_precondition("this rank has not joined a communicator yet (Init first)")
+fn not_initialized() -> Error {
+    Error::not_ready("this rank has not joined a communicator yet (Init first)")
 }
 
 /// A step refused before the forward pass is the request's fault (INVALID_ARGUMENT: the
@@ -502,19 +502,19 @@ fn not_initialized() -> Status {
 /// (UNAVAILABLE); a forward pass that failed otherwise left this rank's caches of the batch
 /// dropped and its peers possibly inside a collective (INTERNAL). The last two make the
 /// coordinator recover the group.
-fn step_error(err: anyhow::Error) -> Status {
+fn step_error(err: anyhow::Error) -> Error {
     let is_comm = err.chain().any(|cause| cause.downcast_ref::<crate::comm::CommError>().is_some());
     let refused = err.chain().any(|cause| cause.downcast_ref::<crate::model::InvalidStep>().is_some());
     if is_comm {
-        Status::unavailable(format!("collective failed: {err:#}"))
+        Error::collective(format!("collective failed: {err:#}"))
     } else if refused {
-        Status::invalid_argument(format!("{err:#}"))
+        Error::invalid(format!("{err:#}"))
     } else {
-        Status::internal(format!("{err:#}"))
+        Error::internal(format!("{err:#}"))
     }
 }
 
-fn parse_dtype(text: &str, device: &Device) -> Result<Option<DType>, Status> {
+fn parse_dtype(text: &str, device: &Device) -> Result<Option<DType>, Error> {
     Ok(match text {
         "" | "auto" => Some(if device.is_cpu() { DType::F32 } else { DType::BF16 }),
         "checkpoint" => None,
@@ -522,7 +522,7 @@ fn parse_dtype(text: &str, device: &Device) -> Result<Option<DType>, Status> {
         "bf16" | "bfloat16" => Some(DType::BF16),
         "f16" | "float16" => Some(DType::F16),
         other => {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::invalid(format!(
                 "unknown dtype \"{other}\" (expected auto, checkpoint, f32, bf16 or f16)"
             )));
         }
