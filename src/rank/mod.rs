@@ -1,6 +1,5 @@
 //! The rank server: one tensor-parallel shard, its caches and its communicator.
 
 pub mod offline;
-pub mod sampling;
 pub mod server;
 pub mod worker;

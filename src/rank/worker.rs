@@ -19,7 +19,7 @@ use crate::model::loader::LoadProgress;
 use crate::model::parallel::TpGroup;
 use crate::model::{CacheStore, LoadOptions, Model, SequenceInput};
 use crate::proto::rank::v1 as pb;
-use crate::rank::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams};
 
 pub type Reply<T> = oneshot::Sender<Result<T, Status>>;
 
