@@ -14,7 +14,7 @@
 //! - Full-vocabulary passes (max, softmax mass) are written over fixed-width lanes with a
 //!   polynomial `exp`, which LLVM vectorises; `f32::exp` goes through libm one element at a
 //!   time and would cost about a millisecond per sequence on a 250k vocabulary. The polynomial
-//!   is also the same on every platform, which libm is not.
+//!   is also the same on every platform, which libm is not (see `kernels`).
 //! - Scratch buffers for the non-greedy path live in a thread-local, not in each `Sampler`: a
 //!   rank samples its batch sequentially, so one set of vocab-sized buffers per thread serves
 //!   every sequence without per-step allocation and without megabytes per sequence.

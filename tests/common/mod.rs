@@ -1,4 +1,6 @@
-//! Shared helpers for the integration tests: fixtures and the oracle's expected outputs.
+//! Shared helpers for the integration tests: fixtures and the oracle's expected outputs,
+//! `tpserve` child processes (servers; rank groups under a watchdog, so no test can hang CI),
+//! and the Python environment of the third-party client tests.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
