@@ -10,6 +10,8 @@ use tpserve::model::parallel::TpGroup;
 use tpserve::model::{LoadOptions, Model};
 use tpserve::rank::offline;
 
+use common::{ShardRun, Transport};
+
 const EOS: u32 = 2;
 
 fn load_single(name: &str) -> Model {
@@ -33,72 +35,16 @@ fn tp1_in_process_matches_reference() {
     }
 }
 
-/// How a group of rank processes reaches its rendezvous.
-#[derive(Clone, Copy)]
-enum Transport {
-    Tcp,
-    Unix,
-}
-
 struct GroupRun {
     prompts: Vec<offline::PromptResult>,
 }
 
-/// Runs `tpserve eval-shard` as `tp` separate OS processes joined by the CPU socket backend and
-/// returns rank 0's report.
+/// Runs `tpserve eval-shard` as `tp` separate OS processes joined by the CPU socket backend
+/// (EOS suppressed) and returns rank 0's report (see [`common::ShardRun`]).
 fn run_group(name: &str, tp: usize, chunk: usize, transport: Transport) -> GroupRun {
-    use std::io::BufRead;
-    use std::process::Stdio;
-
-    let dir = tempfile::tempdir().unwrap();
+    let model = common::fixture(name);
     let prompts: Vec<Vec<u32>> = common::expected(name).into_iter().map(|p| p.ids).collect();
-    let prompts_file = dir.path().join("prompts.json");
-    std::fs::write(&prompts_file, serde_json::to_string(&prompts).unwrap()).unwrap();
-    let out = dir.path().join("out.json");
-    let rendezvous = match transport {
-        Transport::Tcp => "127.0.0.1:0".to_owned(),
-        Transport::Unix => format!("unix://{}", dir.path().join("comm.sock").display()),
-    };
-    let base = |rank: usize| {
-        let mut command = common::tpserve();
-        command.args(["eval-shard", "--model"]).arg(common::fixture(name));
-        command.args(["--rank", &rank.to_string(), "--world-size", &tp.to_string()]);
-        command.arg("--prompts").arg(&prompts_file);
-        command.args(["--chunk", &chunk.to_string(), "--suppress", &EOS.to_string(), "--threads", "1"]);
-        command.args(["--init-timeout-secs", "60"]);
-        command
-    };
-    let mut rank0 = base(0);
-    rank0.args(["--rendezvous", &rendezvous]).arg("--out").arg(&out).stdout(Stdio::piped());
-    let mut children = vec![rank0.spawn().expect("spawn rank 0")];
-    if tp > 1 {
-        let stdout = children[0].stdout.take().unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
-        let comm_id = line.trim().strip_prefix("COMM_ID=").unwrap_or_else(|| panic!("rank 0 printed {line:?}")).to_owned();
-        for rank in 1..tp {
-            children.push(base(rank).args(["--comm-id", &comm_id]).spawn().expect("spawn rank"));
-        }
-    }
-    // A watchdog turns a hang into a failure rather than a stuck CI job.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    for child in &mut children {
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                assert!(status.success(), "{name} TP {tp}: a rank exited with {status}");
-                break;
-            }
-            if std::time::Instant::now() > deadline {
-                for c in &mut children {
-                    let _ = c.kill();
-                }
-                panic!("{name} TP {tp}: ranks did not finish within 120 s");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-    }
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-    GroupRun { prompts: serde_json::from_value(report["prompts"].clone()).unwrap() }
+    GroupRun { prompts: ShardRun { chunk, transport, ..ShardRun::new(&model, &prompts, tp) }.run() }
 }
 
 fn check_parity(tp: usize, transport: Transport) {

@@ -13,6 +13,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use serde_json::Value;
 use tokenizers::Tokenizer;
@@ -205,36 +206,23 @@ fn chat_greedy_matches_transformers_at_tp1_and_tp3() {
 /// Runs `tpserve eval-shard` as `tp` rank processes on the reference prompt: greedy, EOS allowed
 /// (as in the reference), `max_new` tokens. Returns rank 0's (new ids, last-position logits).
 fn eval_shard(model: &Path, prompt: &[u32], tp: usize, max_new: usize) -> (Vec<u32>, Vec<f32>) {
-    use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
     let prompts = dir.path().join("prompts.json");
     std::fs::write(&prompts, serde_json::to_string(&vec![prompt]).unwrap()).unwrap();
     let out = dir.path().join("out.json");
-    let base = |rank: usize| {
+    let rendezvous = format!("unix://{}", dir.path().join("comm.sock").display());
+    // Ten minutes: far beyond a slow CI machine's run, short of a hung CI job.
+    common::run_rank_group(&format!("SmolLM2 TP {tp}"), tp, &rendezvous, Duration::from_secs(600), |rank| {
         let mut command = common::tpserve();
         command.args(["eval-shard", "--model"]).arg(model);
         command.args(["--rank", &rank.to_string(), "--world-size", &tp.to_string()]);
         command.args(["--max-new", &max_new.to_string(), "--init-timeout-secs", "120"]);
         command.arg("--prompts").arg(&prompts);
-        command
-    };
-    let mut rank0 = base(0);
-    rank0.arg("--rendezvous").arg(format!("unix://{}", dir.path().join("comm.sock").display()));
-    rank0.arg("--out").arg(&out).stdout(Stdio::piped());
-    let mut children = vec![rank0.spawn().expect("spawn rank 0")];
-    if tp > 1 {
-        let stdout = children[0].stdout.take().unwrap();
-        let mut line = String::new();
-        std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
-        let comm_id = line.trim().strip_prefix("COMM_ID=").unwrap_or_else(|| panic!("rank 0 printed {line:?}")).to_owned();
-        for rank in 1..tp {
-            children.push(base(rank).args(["--comm-id", &comm_id]).spawn().expect("spawn rank"));
+        if rank == 0 {
+            command.arg("--out").arg(&out);
         }
-    }
-    for (rank, child) in children.iter_mut().enumerate() {
-        let status = child.wait().unwrap();
-        assert!(status.success(), "TP {tp}: rank {rank} exited with {status}");
-    }
+        command
+    });
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let result = &report["prompts"][0];
     let logits = result["last_logits"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();

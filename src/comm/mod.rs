@@ -5,6 +5,7 @@
 //! feature, `nccl::NcclCollective` (CUDA ranks). Bootstrap mirrors NCCL: rank 0 creates an opaque
 //! [`socket::CommId`], the coordinator hands it to every rank, and every rank calls `init`.
 
+mod dtype;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod socket;

@@ -48,7 +48,7 @@ use candle_core::{CpuStorage, CudaDevice, CudaStorage, CustomOp1, DType, Device,
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DriverError};
 use cudarc::nccl::sys;
 
-use super::{Collective, CommError, CommResult};
+use super::{Collective, CommError, CommResult, dtype};
 
 /// Exit code of a rank process whose NCCL communicator could not be aborted: `ncclCommAbort`
 /// did not return, or the device stream did not drain, within the abort timeout after an
@@ -58,9 +58,6 @@ pub const EXIT_ABORT_HUNG: i32 = 75;
 
 /// Size of an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
 pub const NCCL_ID_BYTES: usize = 128;
-
-/// The CPU backend's id prefix: an id that starts with it came from a CPU rank 0.
-const SOCKET_ID_PREFIX: &[u8] = b"tpcomm1;";
 
 /// Ops refuse to name more dims than the socket backend's wire format allows.
 const MAX_DIMS: usize = 8;
@@ -129,7 +126,7 @@ impl NcclId {
 
     /// Never panics: anything but 128 bytes is [`CommError::InvalidId`].
     pub fn from_bytes(bytes: &[u8]) -> CommResult<Self> {
-        if bytes.starts_with(SOCKET_ID_PREFIX) {
+        if bytes.starts_with(super::socket::ID_PREFIX) {
             return Err(CommError::InvalidId(
                 "this is a CPU (socket backend) communicator id, but this rank runs on CUDA: \
                  every rank of a group must run on the same kind of device"
@@ -624,7 +621,7 @@ impl NcclCollective {
     }
 
     /// Runs a custom op, turning its failure back into the CommError it recorded.
-    fn apply(&self, tensor: &Tensor, op: &impl NcclOp) -> CommResult<Tensor> {
+    fn apply<K: NcclKernel>(&self, tensor: &Tensor, op: &NcclOp<'_, K>) -> CommResult<Tensor> {
         let result = tensor.apply_op1_no_bwd(op);
         if let Some(error) = op.take_error() {
             return Err(error);
@@ -757,20 +754,10 @@ fn nccl_error(op: &'static str, result: sys::ncclResult_t, comm: Option<sys::ncc
     }
 }
 
+/// The shared wire code of `dtype` (see `comm::dtype`), 255 for a dtype without one, as the
+/// first word of a shape descriptor.
 fn dtype_code(dtype: DType) -> u64 {
-    match dtype {
-        DType::U8 => 1,
-        DType::U32 => 2,
-        DType::I16 => 3,
-        DType::I32 => 4,
-        DType::I64 => 5,
-        DType::BF16 => 6,
-        DType::F16 => 7,
-        DType::F32 => 8,
-        DType::F64 => 9,
-        DType::F8E4M3 => 10,
-        _ => 255,
-    }
+    dtype::code(dtype).map_or(255, u64::from)
 }
 
 /// NCCL's type for a reduction; None where NCCL cannot sum the dtype.
@@ -819,27 +806,6 @@ fn assemble(flat: &Tensor, shapes: &[Vec<usize>], offsets: &[usize], dim: usize)
 // The custom ops: NCCL calls inside the forward pass
 // ---------------------------------------------------------------------------------------------
 
-/// A collective as a candle custom op. The op records a [`CommError`] so the caller can return
-/// it as such (candle's error type would flatten it, and the rank server tells collective
-/// failures, which need recovery, from bad input by that type).
-trait NcclOp: CustomOp1 {
-    fn error_slot(&self) -> &RefCell<Option<CommError>>;
-
-    fn take_error(&self) -> Option<CommError> {
-        self.error_slot().borrow_mut().take()
-    }
-
-    fn record(&self, error: CommError) -> candle_core::Error {
-        let text = error.to_string();
-        *self.error_slot().borrow_mut() = Some(error);
-        candle_core::Error::Msg(text)
-    }
-}
-
-fn host_unsupported(name: &str) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{name} runs on CUDA tensors only"))
-}
-
 /// Dispatches over the dtypes a CUDA storage can hold; the body sees `$s: &CudaSlice<T>`.
 macro_rules! with_slice {
     ($storage:expr, $s:ident => $body:expr, $unsupported:expr) => {
@@ -862,27 +828,115 @@ macro_rules! with_slice {
     };
 }
 
+/// What one collective enqueues on the stream; [`NcclOp`] turns it into a candle custom op.
+trait NcclKernel {
+    /// candle's name for the op.
+    const NAME: &'static str;
+    /// The operation a [`CommError`] names.
+    const OP: &'static str;
+
+    /// Refuses a dtype before the storage is dispatched on (all-reduce: NCCL cannot sum it).
+    fn check(&self, _dtype: DType) -> CommResult<()> {
+        Ok(())
+    }
+
+    /// Enqueues the collective on `src[start..end]` and returns the storage of the result.
+    fn run<T: DeviceRepr + CudaDType>(
+        &self,
+        comm: &NcclCollective,
+        src: &CudaSlice<T>,
+        start: usize,
+        end: usize,
+        dtype: DType,
+        device: &CudaDevice,
+    ) -> CommResult<CudaStorage>;
+
+    /// Shape of the result for an input with `layout`.
+    fn out_shape(&self, comm: &NcclCollective, layout: &Layout) -> Shape;
+}
+
+/// A collective as a candle custom op. The op records a [`CommError`] so the caller can return
+/// it as such (candle's error type would flatten it, and the rank server tells collective
+/// failures, which need recovery, from bad input by that type).
+struct NcclOp<'a, K> {
+    comm: &'a NcclCollective,
+    kernel: K,
+    error: RefCell<Option<CommError>>,
+}
+
+impl<'a, K: NcclKernel> NcclOp<'a, K> {
+    fn new(comm: &'a NcclCollective, kernel: K) -> Self {
+        Self { comm, kernel, error: RefCell::new(None) }
+    }
+
+    fn take_error(&self) -> Option<CommError> {
+        self.error.borrow_mut().take()
+    }
+
+    fn record(&self, error: CommError) -> candle_core::Error {
+        let text = error.to_string();
+        *self.error.borrow_mut() = Some(error);
+        candle_core::Error::Msg(text)
+    }
+}
+
+impl<K: NcclKernel> CustomOp1 for NcclOp<'_, K> {
+    fn name(&self) -> &'static str {
+        K::NAME
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Err(candle_core::Error::Msg(format!("{} runs on CUDA tensors only", K::NAME)))
+    }
+
+    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let result = (|| {
+            let (start, end) = contiguous_range(K::OP, layout)?;
+            let dtype = storage_dtype(storage);
+            self.kernel.check(dtype)?;
+            with_slice!(storage, s => self.kernel.run(self.comm, s, start, end, dtype, &storage.device), Err(CommError::Invalid {
+                op: K::OP,
+                reason: format!("unsupported dtype {dtype:?}"),
+            }))
+        })();
+        match result {
+            Ok(out) => Ok((out, self.kernel.out_shape(self.comm, layout))),
+            Err(error) => Err(self.record(error)),
+        }
+    }
+}
+
 /// The contiguous element range of a layout (every op makes its input contiguous first).
 fn contiguous_range(op: &'static str, layout: &Layout) -> CommResult<(usize, usize)> {
     layout.contiguous_offsets().ok_or_else(|| CommError::Invalid { op, reason: "tensor is not contiguous".into() })
 }
 
-/// Sum over ranks, into a new buffer.
-struct AllReduceOp<'a> {
-    comm: &'a NcclCollective,
-    error: RefCell<Option<CommError>>,
+/// NCCL's type for summing `dtype`, or why it cannot.
+fn sum_type(dtype: DType) -> CommResult<sys::ncclDataType_t> {
+    reduce_type(dtype).ok_or_else(|| CommError::Invalid { op: "all_reduce", reason: format!("NCCL cannot sum {dtype:?}") })
 }
 
-impl AllReduceOp<'_> {
+/// Sum over ranks, into a new buffer.
+struct AllReduce;
+
+impl NcclKernel for AllReduce {
+    const NAME: &'static str = "nccl-all-reduce";
+    const OP: &'static str = "all_reduce";
+
+    fn check(&self, dtype: DType) -> CommResult<()> {
+        sum_type(dtype).map(drop)
+    }
+
     fn run<T: DeviceRepr + CudaDType>(
         &self,
+        comm: &NcclCollective,
         src: &CudaSlice<T>,
         start: usize,
         end: usize,
-        dtype: sys::ncclDataType_t,
+        dtype: DType,
         device: &CudaDevice,
     ) -> CommResult<CudaStorage> {
-        let comm = self.comm;
+        let nccl_type = sum_type(dtype)?;
         let stream = comm.stream.clone();
         let len = end - start;
         // SAFETY: NCCL writes every element of the result.
@@ -896,7 +950,7 @@ impl AllReduceOp<'_> {
                     src_ptr as *const c_void,
                     dst_ptr as *mut c_void,
                     len,
-                    dtype,
+                    nccl_type,
                     sys::ncclRedOp_t::ncclSum,
                     handle,
                     stream.cu_stream() as sys::cudaStream_t,
@@ -905,53 +959,30 @@ impl AllReduceOp<'_> {
         }
         Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
     }
-}
 
-impl NcclOp for AllReduceOp<'_> {
-    fn error_slot(&self) -> &RefCell<Option<CommError>> {
-        &self.error
-    }
-}
-
-impl CustomOp1 for AllReduceOp<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-all-reduce"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(host_unsupported(self.name()))
-    }
-
-    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let result = (|| {
-            let (start, end) = contiguous_range("all_reduce", layout)?;
-            let dtype = storage_dtype(storage);
-            let nccl_type = reduce_type(dtype).ok_or_else(|| CommError::Invalid {
-                op: "all_reduce",
-                reason: format!("NCCL cannot sum {dtype:?}"),
-            })?;
-            with_slice!(storage, s => self.run(s, start, end, nccl_type, &storage.device), Err(CommError::Invalid {
-                op: "all_reduce",
-                reason: format!("unsupported dtype {dtype:?}"),
-            }))
-        })();
-        match result {
-            Ok(out) => Ok((out, layout.shape().clone())),
-            Err(error) => Err(self.record(error)),
-        }
+    fn out_shape(&self, _: &NcclCollective, layout: &Layout) -> Shape {
+        layout.shape().clone()
     }
 }
 
 /// Every rank's elements, each padded to `slot` elements, rank-major: `[world * slot]`.
-struct AllGatherOp<'a> {
-    comm: &'a NcclCollective,
+struct AllGather {
     slot: usize,
-    error: RefCell<Option<CommError>>,
 }
 
-impl AllGatherOp<'_> {
-    fn run<T: DeviceRepr + CudaDType>(&self, src: &CudaSlice<T>, start: usize, end: usize, device: &CudaDevice) -> CommResult<CudaStorage> {
-        let comm = self.comm;
+impl NcclKernel for AllGather {
+    const NAME: &'static str = "nccl-all-gather";
+    const OP: &'static str = "all_gather";
+
+    fn run<T: DeviceRepr + CudaDType>(
+        &self,
+        comm: &NcclCollective,
+        src: &CudaSlice<T>,
+        start: usize,
+        end: usize,
+        _dtype: DType,
+        device: &CudaDevice,
+    ) -> CommResult<CudaStorage> {
         let stream = comm.stream.clone();
         let fail = |err| comm.fail(driver_error("all_gather", err));
         let (len, slot) = (end - start, self.slot);
@@ -991,49 +1022,31 @@ impl AllGatherOp<'_> {
         drop(padded);
         Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
     }
-}
 
-impl NcclOp for AllGatherOp<'_> {
-    fn error_slot(&self) -> &RefCell<Option<CommError>> {
-        &self.error
-    }
-}
-
-impl CustomOp1 for AllGatherOp<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-all-gather"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(host_unsupported(self.name()))
-    }
-
-    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let result = (|| {
-            let (start, end) = contiguous_range("all_gather", layout)?;
-            with_slice!(storage, s => self.run(s, start, end, &storage.device), Err(CommError::Invalid {
-                op: "all_gather",
-                reason: format!("unsupported dtype {:?}", storage_dtype(storage)),
-            }))
-        })();
-        match result {
-            Ok(out) => Ok((out, Shape::from(self.slot * self.comm.world_size))),
-            Err(error) => Err(self.record(error)),
-        }
+    fn out_shape(&self, comm: &NcclCollective, _: &Layout) -> Shape {
+        Shape::from(self.slot * comm.world_size)
     }
 }
 
 /// On the root: every rank's elements at `offsets[r]` (`[total]`), received point to point.
-struct GatherRootOp<'a> {
-    comm: &'a NcclCollective,
+struct GatherRoot {
     offsets: Vec<usize>,
     lens: Vec<usize>,
-    error: RefCell<Option<CommError>>,
 }
 
-impl GatherRootOp<'_> {
-    fn run<T: DeviceRepr + CudaDType>(&self, src: &CudaSlice<T>, start: usize, end: usize, device: &CudaDevice) -> CommResult<CudaStorage> {
-        let comm = self.comm;
+impl NcclKernel for GatherRoot {
+    const NAME: &'static str = "nccl-gather";
+    const OP: &'static str = "gather";
+
+    fn run<T: DeviceRepr + CudaDType>(
+        &self,
+        comm: &NcclCollective,
+        src: &CudaSlice<T>,
+        start: usize,
+        end: usize,
+        _dtype: DType,
+        device: &CudaDevice,
+    ) -> CommResult<CudaStorage> {
         let stream = comm.stream.clone();
         let fail = |err| comm.fail(driver_error("gather", err));
         let total: usize = self.lens.iter().sum();
@@ -1078,48 +1091,30 @@ impl GatherRootOp<'_> {
         }
         Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
     }
-}
 
-impl NcclOp for GatherRootOp<'_> {
-    fn error_slot(&self) -> &RefCell<Option<CommError>> {
-        &self.error
-    }
-}
-
-impl CustomOp1 for GatherRootOp<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-gather"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(host_unsupported(self.name()))
-    }
-
-    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let result = (|| {
-            let (start, end) = contiguous_range("gather", layout)?;
-            with_slice!(storage, s => self.run(s, start, end, &storage.device), Err(CommError::Invalid {
-                op: "gather",
-                reason: format!("unsupported dtype {:?}", storage_dtype(storage)),
-            }))
-        })();
-        match result {
-            Ok(out) => Ok((out, Shape::from(self.lens.iter().sum::<usize>().max(1)))),
-            Err(error) => Err(self.record(error)),
-        }
+    fn out_shape(&self, _: &NcclCollective, _: &Layout) -> Shape {
+        Shape::from(self.lens.iter().sum::<usize>().max(1))
     }
 }
 
 /// The root's elements on every rank, into a new buffer.
-struct BroadcastOp<'a> {
-    comm: &'a NcclCollective,
+struct Broadcast {
     root: usize,
-    error: RefCell<Option<CommError>>,
 }
 
-impl BroadcastOp<'_> {
-    fn run<T: DeviceRepr + CudaDType>(&self, src: &CudaSlice<T>, start: usize, end: usize, device: &CudaDevice) -> CommResult<CudaStorage> {
-        let comm = self.comm;
+impl NcclKernel for Broadcast {
+    const NAME: &'static str = "nccl-broadcast";
+    const OP: &'static str = "broadcast";
+
+    fn run<T: DeviceRepr + CudaDType>(
+        &self,
+        comm: &NcclCollective,
+        src: &CudaSlice<T>,
+        start: usize,
+        end: usize,
+        _dtype: DType,
+        device: &CudaDevice,
+    ) -> CommResult<CudaStorage> {
         let stream = comm.stream.clone();
         let len = end - start;
         // SAFETY: NCCL writes every element of the result.
@@ -1143,35 +1138,9 @@ impl BroadcastOp<'_> {
         }
         Ok(CudaStorage::wrap_cuda_slice(out, device.clone()))
     }
-}
 
-impl NcclOp for BroadcastOp<'_> {
-    fn error_slot(&self) -> &RefCell<Option<CommError>> {
-        &self.error
-    }
-}
-
-impl CustomOp1 for BroadcastOp<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-broadcast"
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Err(host_unsupported(self.name()))
-    }
-
-    fn cuda_fwd(&self, storage: &CudaStorage, layout: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        let result = (|| {
-            let (start, end) = contiguous_range("broadcast", layout)?;
-            with_slice!(storage, s => self.run(s, start, end, &storage.device), Err(CommError::Invalid {
-                op: "broadcast",
-                reason: format!("unsupported dtype {:?}", storage_dtype(storage)),
-            }))
-        })();
-        match result {
-            Ok(out) => Ok((out, layout.shape().clone())),
-            Err(error) => Err(self.record(error)),
-        }
+    fn out_shape(&self, _: &NcclCollective, layout: &Layout) -> Shape {
+        layout.shape().clone()
     }
 }
 
@@ -1234,7 +1203,7 @@ impl Collective for NcclCollective {
             return Ok(tensor.clone());
         }
         let (input, to_host) = self.on_device("all_reduce", tensor)?;
-        let op = AllReduceOp { comm: self, error: RefCell::new(None) };
+        let op = NcclOp::new(self, AllReduce);
         let out = self.apply(&input, &op)?;
         self.back("all_reduce", out, to_host)
     }
@@ -1249,7 +1218,7 @@ impl Collective for NcclCollective {
             shape[dim] = shapes.iter().map(|s| s[dim]).sum();
             Tensor::zeros(shape, input.dtype(), input.device())?
         } else {
-            let op = AllGatherOp { comm: self, slot, error: RefCell::new(None) };
+            let op = NcclOp::new(self, AllGather { slot });
             let flat = self.apply(&input, &op)?;
             let offsets: Vec<usize> = (0..self.world_size).map(|r| r * slot).collect();
             assemble(&flat, &shapes, &offsets, dim)?
@@ -1281,7 +1250,7 @@ impl Collective for NcclCollective {
             *next += len;
             Some(offset)
         }).collect();
-        let op = GatherRootOp { comm: self, offsets: offsets.clone(), lens, error: RefCell::new(None) };
+        let op = NcclOp::new(self, GatherRoot { offsets: offsets.clone(), lens });
         let flat = self.apply(&input, &op)?;
         let out = assemble(&flat, &shapes, &offsets, dim)?;
         Ok(Some(self.back("gather", out, to_host)?))
@@ -1299,7 +1268,7 @@ impl Collective for NcclCollective {
             return Ok(tensor.clone());
         }
         let (input, to_host) = self.on_device("broadcast", tensor)?;
-        let op = BroadcastOp { comm: self, root, error: RefCell::new(None) };
+        let op = NcclOp::new(self, Broadcast { root });
         let out = self.apply(&input, &op)?;
         self.back("broadcast", out, to_host)
     }
@@ -1307,7 +1276,7 @@ impl Collective for NcclCollective {
     fn barrier(&self) -> CommResult<()> {
         self.usable("barrier")?;
         let token = Tensor::zeros(1, DType::F32, &self.device_of())?;
-        let op = AllReduceOp { comm: self, error: RefCell::new(None) };
+        let op = NcclOp::new(self, AllReduce);
         let _sum = self.apply(&token, &op)?;
         self.wait_stream("barrier")
     }

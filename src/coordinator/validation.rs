@@ -15,7 +15,7 @@ use super::stop::{self, StopLimits, StopSet};
 use super::stream::{self, ClientStream};
 use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
-use crate::rank::sampling::SamplingParams;
+use crate::sampling::SamplingParams;
 
 /// At most this many alternatives per token, as in OpenAI's API.
 const MAX_TOP_LOGPROBS: u32 = 20;

@@ -17,7 +17,7 @@ use super::layers::{Attention, Mlp, NormWeight, RmsNorm};
 use super::loader::ShardLoader;
 use super::moe::SparseMoe;
 use super::parallel::{ParallelLmHead, TpGroup, VocabParallelEmbedding};
-use super::qwen3::Rotary;
+use super::rope::Rotary;
 use super::SequenceInput;
 
 /// How a layer mixes information across positions.

@@ -8,10 +8,11 @@ use anyhow::{Result, bail};
 use candle_core::{DType, Tensor};
 
 use super::SequenceInput;
+use super::attention::attend;
 use super::cache::LayerCache;
 use super::loader::ShardLoader;
 use super::parallel::{ColumnParallelLinear, HeadLayout, RowParallelLinear, RowSlice, TpGroup};
-use super::qwen3::{Rotary, attend};
+use super::rope::Rotary;
 
 /// How a checkpoint stores an RMSNorm's scale.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,6 +3,7 @@
 //! One file per model family; every family is written against [`parallel`] and [`loader`], so
 //! the same code runs at any TP size and on any device.
 
+pub mod attention;
 pub mod cache;
 pub mod config;
 pub mod cpu_matmul;
@@ -16,6 +17,7 @@ pub mod parallel;
 pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_moe;
+pub mod rope;
 
 use std::path::Path;
 use std::sync::Arc;

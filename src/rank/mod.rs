@@ -2,6 +2,5 @@
 
 pub mod error;
 pub mod offline;
-pub mod sampling;
 pub mod server;
 pub mod worker;

@@ -18,8 +18,9 @@ use crate::model::loader::LoadProgress;
 use crate::model::parallel::TpGroup;
 use crate::model::{CacheStore, LoadOptions, Model, SequenceInput};
 use crate::proto::rank::v1 as pb;
+use crate::sampling::{Sampler, SamplingParams};
+
 use super::error::{Error, Kind};
-use crate::rank::sampling::{Sampler, SamplingParams};
 
 pub type Reply<T> = oneshot::Sender<Result<T, Error>>;
 

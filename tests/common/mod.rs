@@ -1,4 +1,6 @@
-//! Shared helpers for the integration tests: fixtures and the oracle's expected outputs.
+//! Shared helpers for the integration tests: fixtures and the oracle's expected outputs,
+//! `tpserve` child processes (servers; rank groups under a watchdog, so no test can hang CI),
+//! and the Python environment of the third-party client tests.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -249,10 +251,9 @@ impl<'a> ShardRun<'a> {
     }
 
     /// Runs the group as `tp` separate OS processes joined by the CPU socket backend (greedy,
-    /// 16 new tokens, EOS suppressed) and returns rank 0's results, one per prompt.
+    /// 16 new tokens, EOS suppressed) and returns rank 0's results, one per prompt. Fails the
+    /// test if the ranks have not finished within 120 s.
     pub fn run(&self) -> Vec<tpserve::rank::offline::PromptResult> {
-        use std::io::BufRead;
-
         let tp = self.tp;
         let label = format!("{} TP {tp}", self.model.display());
         let dir = tempfile::tempdir().unwrap();
@@ -263,7 +264,7 @@ impl<'a> ShardRun<'a> {
             Transport::Tcp => "127.0.0.1:0".to_owned(),
             Transport::Unix => format!("unix://{}", dir.path().join("comm.sock").display()),
         };
-        let base = |rank: usize| {
+        run_rank_group(&label, tp, &rendezvous, Duration::from_secs(120), |rank| {
             let mut command = tpserve();
             command.args(["eval-shard", "--model"]).arg(self.model);
             command.args(["--rank", &rank.to_string(), "--world-size", &tp.to_string()]);
@@ -271,40 +272,151 @@ impl<'a> ShardRun<'a> {
             command.args(["--chunk", &self.chunk.to_string(), "--suppress", "2", "--threads", "1"]);
             command.args(["--init-timeout-secs", "60"]);
             command.envs(self.env.iter().copied());
+            if rank == 0 {
+                command.arg("--out").arg(&out);
+            }
             command
-        };
-        let mut rank0 = base(0);
-        rank0.args(["--rendezvous", &rendezvous]).arg("--out").arg(&out).stdout(Stdio::piped());
-        let mut children = vec![rank0.spawn().expect("spawn rank 0")];
-        if tp > 1 {
-            let stdout = children[0].stdout.take().unwrap();
-            let mut line = String::new();
-            std::io::BufReader::new(stdout).read_line(&mut line).unwrap();
-            let comm_id =
-                line.trim().strip_prefix("COMM_ID=").unwrap_or_else(|| panic!("{label}: rank 0 printed {line:?}")).to_owned();
-            for rank in 1..tp {
-                children.push(base(rank).args(["--comm-id", &comm_id]).spawn().expect("spawn rank"));
-            }
-        }
-        // A watchdog turns a hang into a failure rather than a stuck CI job.
-        let deadline = Instant::now() + Duration::from_secs(120);
-        for i in 0..children.len() {
-            loop {
-                if let Some(status) = children[i].try_wait().unwrap() {
-                    assert!(status.success(), "{label}: rank {i} exited with {status}");
-                    break;
-                }
-                if Instant::now() > deadline {
-                    for child in &mut children {
-                        let _ = child.kill();
-                    }
-                    panic!("{label}: ranks did not finish within 120 s");
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
+        });
         let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         serde_json::from_value(report["prompts"].clone()).unwrap()
+    }
+}
+
+/// Runs one group of `tp` rank processes to completion, the way `tpserve serve` would start
+/// them: rank 0 from `command(0)` with `--rendezvous <rendezvous>`, then, once rank 0 has
+/// printed its `COMM_ID=` line, every other rank from `command(rank)` with `--comm-id`.
+///
+/// Every rank must exit 0. A [`Watchdog`] kills them all once `patience` has passed, so a
+/// group that hangs (in init, in a collective, anywhere) fails the test with a message that
+/// says so instead of hanging CI.
+pub fn run_rank_group(label: &str, tp: usize, rendezvous: &str, patience: Duration, command: impl Fn(usize) -> Command) {
+    use std::io::BufRead;
+
+    let watchdog = Watchdog::start(label, patience);
+    let mut rank0 = command(0);
+    rank0.arg("--rendezvous").arg(rendezvous).stdout(Stdio::piped());
+    let mut child = rank0.spawn().unwrap_or_else(|e| panic!("{label}: spawn rank 0: {e}"));
+    // A reader thread passes on rank 0's first line and then drains its stdout, so rank 0
+    // never writes to a full or closed pipe, and this thread never blocks on the pipe past
+    // the watchdog's deadline (a grandchild could keep it open after rank 0 is killed).
+    let stdout = child.stdout.take().expect("rank 0's stdout is piped");
+    let (first_line, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        let mut stdout = std::io::BufReader::new(stdout);
+        let mut line = String::new();
+        let _ = stdout.read_line(&mut line);
+        let _ = first_line.send(line);
+        let _ = std::io::copy(&mut stdout, &mut std::io::sink());
+    });
+    watchdog.watch(child);
+    if tp > 1 {
+        let line = loop {
+            match lines.recv_timeout(Duration::from_millis(100)) {
+                Ok(line) => break line,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => watchdog.check(),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break String::new(),
+            }
+        };
+        watchdog.check();
+        let comm_id =
+            line.trim().strip_prefix("COMM_ID=").unwrap_or_else(|| panic!("{label}: rank 0 printed {line:?}")).to_owned();
+        for rank in 1..tp {
+            let child = command(rank)
+                .args(["--comm-id", &comm_id])
+                .spawn()
+                .unwrap_or_else(|e| panic!("{label}: spawn rank {rank}: {e}"));
+            watchdog.watch(child);
+        }
+    }
+    watchdog.wait_all();
+}
+
+/// Child processes under a deadline: a thread kills every one of them (SIGKILL) once the
+/// patience has run out, which also unblocks a test stuck reading a child's output. Dropping
+/// the watchdog (a test that panicked halfway) kills whatever is still running.
+pub struct Watchdog {
+    label: String,
+    patience: Duration,
+    children: std::sync::Arc<std::sync::Mutex<Vec<Child>>>,
+    fired: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+fn lock_children(children: &std::sync::Mutex<Vec<Child>>) -> std::sync::MutexGuard<'_, Vec<Child>> {
+    children.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Watchdog {
+    pub fn start(label: &str, patience: Duration) -> Self {
+        let children = std::sync::Arc::new(std::sync::Mutex::new(Vec::<Child>::new()));
+        let fired = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn({
+            let (children, fired) = (children.clone(), fired.clone());
+            move || {
+                if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(patience) {
+                    fired.store(true, std::sync::atomic::Ordering::SeqCst);
+                    // Child::kill does nothing for a child already reaped, so no stranger's pid
+                    // is signalled.
+                    for child in lock_children(&children).iter_mut() {
+                        let _ = child.kill();
+                    }
+                }
+            }
+        });
+        Self { label: label.to_owned(), patience, children, fired, stop: Some(stop), thread: Some(thread) }
+    }
+
+    /// Puts `child` under the deadline.
+    pub fn watch(&self, child: Child) {
+        lock_children(&self.children).push(child);
+        // A child that arrives after the deadline is killed like the others.
+        if self.fired.load(std::sync::atomic::Ordering::SeqCst) {
+            for child in lock_children(&self.children).iter_mut() {
+                let _ = child.kill();
+            }
+        }
+    }
+
+    /// Fails the test if the deadline has passed.
+    pub fn check(&self) {
+        if self.fired.load(std::sync::atomic::Ordering::SeqCst) {
+            panic!("{}: the processes did not finish within {:?}; the watchdog killed them", self.label, self.patience);
+        }
+    }
+
+    /// Waits until every watched process has exited; fails the test as soon as one exits
+    /// non-zero (naming it by the order it was watched in) or when the watchdog fires.
+    pub fn wait_all(self) {
+        loop {
+            let statuses: Vec<Option<std::process::ExitStatus>> =
+                lock_children(&self.children).iter_mut().map(|c| c.try_wait().expect("try_wait")).collect();
+            self.check();
+            // A failed rank fails the test at once (dropping the watchdog kills the others).
+            for (i, status) in statuses.iter().enumerate() {
+                if let Some(status) = status {
+                    assert!(status.success(), "{}: rank {i} exited with {status}", self.label);
+                }
+            }
+            if statuses.iter().all(Option::is_some) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        for child in lock_children(&self.children).iter_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
