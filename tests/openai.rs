@@ -332,29 +332,33 @@ async fn bad_requests_and_disconnects() {
     let info = |mut client: GeneratorClient<Channel>| async move {
         client.model_info(pb::ModelInfoRequest::default()).await.unwrap().into_inner()
     };
-    let before = info(client.clone()).await;
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let body = json!({"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true, "stream": true}).to_string();
-    write!(stream, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-    let mut first = [0u8; 256];
-    let read = stream.read(&mut first).unwrap();
-    assert!(String::from_utf8_lossy(&first[..read]).starts_with("HTTP/1.1 200"));
-    // Response headers go out before admission: wait for the sequence to run.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while info(client.clone()).await.active_sequences != 1 {
-        assert!(Instant::now() < deadline, "the streamed request never ran");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    drop(stream);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let now = info(client.clone()).await;
-        if now.active_sequences == 0 && now.sequences_freed_total > before.sequences_freed_total {
-            assert!(now.requests_cancelled_total > before.requests_cancelled_total);
-            break;
+    for stream in [true, false] {
+        let before = info(client.clone()).await;
+        let mut connection = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": true, "stream": stream}).to_string();
+        write!(connection, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        if stream {
+            let mut first = [0u8; 256];
+            let read = connection.read(&mut first).unwrap();
+            assert!(String::from_utf8_lossy(&first[..read]).starts_with("HTTP/1.1 200"));
         }
-        assert!(Instant::now() < deadline, "the sequence of a gone client was not freed: {now:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Response headers go out before admission: wait for the sequence to run.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while info(client.clone()).await.active_sequences != 1 {
+            assert!(Instant::now() < deadline, "the request never ran (stream: {stream})");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        drop(connection);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let now = info(client.clone()).await;
+            if now.active_sequences == 0 && now.sequences_freed_total > before.sequences_freed_total {
+                assert!(now.requests_cancelled_total > before.requests_cancelled_total);
+                break;
+            }
+            assert!(Instant::now() < deadline, "the sequence of a gone client was not freed (stream: {stream}): {now:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
     // The server still serves.
     let (status, body) = post(port, "/v1/completions", &json!({"prompt": "a", "max_tokens": 2}));
