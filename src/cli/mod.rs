@@ -169,6 +169,10 @@ pub struct CoordinatorArgs {
     /// host:port to serve Prometheus metrics on, at /metrics
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// host:port to serve the OpenAI-compatible HTTP API on (/v1/chat/completions,
+    /// /v1/completions, /v1/models, /health), beside gRPC
+    #[arg(long)]
+    pub http_listen: Option<String>,
 }
 
 /// Scheduling and admission.
@@ -291,6 +295,10 @@ pub struct ServeArgs {
     /// host:port to serve the coordinator's Prometheus metrics on, at /metrics
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// host:port to serve the OpenAI-compatible HTTP API on (/v1/chat/completions,
+    /// /v1/completions, /v1/models, /health), beside gRPC
+    #[arg(long)]
+    pub http_listen: Option<String>,
 }
 
 impl CoordinatorArgs {
@@ -312,6 +320,7 @@ impl CoordinatorArgs {
             tls: self.tls.config()?,
             rank_tls: self.rank_tls_ca.as_deref().map(crate::net::ClientTls::from_ca_file).transpose()?,
             metrics_listen: self.metrics_listen.clone(),
+            http_listen: self.http_listen.clone(),
         })
     }
 }

@@ -82,7 +82,12 @@ fn local_hostname() -> Option<String> {
 pub async fn run_serve(args: ServeArgs, otlp_endpoint: Option<String>) -> Result<()> {
     let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None, otlp_endpoint };
     let tokens = args.tokens.tokens(None)?;
-    let server = ServerSettings { tokens, tls: args.tls.config()?, metrics_listen: args.metrics_listen.clone() };
+    let server = ServerSettings {
+        tokens,
+        tls: args.tls.config()?,
+        metrics_listen: args.metrics_listen.clone(),
+        http_listen: args.http_listen.clone(),
+    };
     let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, server, args.listen.clone()).await?;
     super::termination_signal().await;
     tracing::info!("stopping");
@@ -107,6 +112,7 @@ pub struct ServerSettings {
     pub tokens: Tokens,
     pub tls: Option<tonic::transport::ServerTlsConfig>,
     pub metrics_listen: Option<String>,
+    pub http_listen: Option<String>,
 }
 
 /// N rank processes spawned from this binary plus an in-process coordinator. Ranks that die
@@ -135,7 +141,7 @@ impl LocalCluster {
         server: ServerSettings,
         listen: Address,
     ) -> Result<Self> {
-        let ServerSettings { mut tokens, tls, metrics_listen } = server;
+        let ServerSettings { mut tokens, tls, metrics_listen, http_listen } = server;
         // This process starts both sides, so it can make up the cluster token itself; the
         // ranks get it through their environment, not their command line.
         let cluster_token = tokens.cluster.clone().unwrap_or_else(Secret::random);
@@ -193,6 +199,7 @@ impl LocalCluster {
             // The ranks are on private Unix sockets.
             rank_tls: None,
             metrics_listen,
+            http_listen,
         };
         let stop_coordinator = Arc::new(tokio::sync::Notify::new());
         let stop = stop_coordinator.clone();

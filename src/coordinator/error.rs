@@ -1,6 +1,7 @@
 //! The coordinator's one error type. Every failure a client or an operator sees is an [`Error`]:
 //! a [`Kind`] that says what sort of thing went wrong (and so whether retrying can help), and a
-//! message that says what to do. Kinds become gRPC codes here and nowhere else.
+//! message that says what to do. Kinds become gRPC codes, and HTTP statuses with OpenAI error
+//! objects, here and nowhere else.
 
 use tonic::{Code, Status};
 
@@ -27,6 +28,8 @@ pub enum Kind {
     RankUnavailable,
     /// a bug: an invariant did not hold
     Internal,
+    /// the request lacks the API token, or has a wrong one
+    Unauthenticated,
 }
 
 impl Kind {
@@ -41,6 +44,50 @@ impl Kind {
             Kind::Deadline => Code::DeadlineExceeded,
             Kind::Unavailable | Kind::RankUnavailable => Code::Unavailable,
             Kind::Internal => Code::Internal,
+            Kind::Unauthenticated => Code::Unauthenticated,
+        }
+    }
+
+    /// The kind of a status this server produced (the inverse of [`Kind::code`]), e.g. an error
+    /// that ended a response stream.
+    pub fn of_status(code: Code) -> Kind {
+        match code {
+            Code::InvalidArgument => Kind::InvalidRequest,
+            Code::OutOfRange => Kind::OutOfRange,
+            Code::ResourceExhausted => Kind::Capacity,
+            Code::NotFound => Kind::NotFound,
+            Code::AlreadyExists => Kind::AlreadyExists,
+            Code::FailedPrecondition => Kind::Unsupported,
+            Code::DeadlineExceeded => Kind::Deadline,
+            Code::Unavailable => Kind::Unavailable,
+            Code::Unauthenticated | Code::PermissionDenied => Kind::Unauthenticated,
+            _ => Kind::Internal,
+        }
+    }
+
+    /// The HTTP status of the OpenAI-compatible API.
+    pub fn http_status(self) -> u16 {
+        match self {
+            Kind::InvalidRequest | Kind::OutOfRange | Kind::Unsupported => 400,
+            Kind::Unauthenticated => 401,
+            Kind::NotFound => 404,
+            Kind::AlreadyExists => 409,
+            Kind::Capacity => 429,
+            Kind::Internal => 500,
+            Kind::Unavailable | Kind::RankUnavailable => 503,
+            Kind::Deadline => 504,
+        }
+    }
+
+    /// The `type` of an OpenAI error object.
+    fn openai_type(self) -> &'static str {
+        match self {
+            Kind::InvalidRequest | Kind::OutOfRange | Kind::Unsupported | Kind::AlreadyExists => "invalid_request_error",
+            Kind::Unauthenticated => "authentication_error",
+            Kind::NotFound => "not_found_error",
+            Kind::Capacity => "rate_limit_error",
+            Kind::Unavailable | Kind::RankUnavailable | Kind::Deadline => "service_unavailable_error",
+            Kind::Internal => "server_error",
         }
     }
 
@@ -106,6 +153,25 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The error of a status this server produced.
+    pub fn from_status(status: &Status) -> Self {
+        Self::new(Kind::of_status(status.code()), status.message())
+    }
+
+    /// The OpenAI error object (`{"error": {...}}`); `param` names the request field at fault.
+    pub fn openai_body(&self, param: Option<&str>) -> serde_json::Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind.openai_type(),
+                "param": param,
+                "code": self.kind.http_status(),
+            }
+        })
+    }
+}
+
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.message)
@@ -139,5 +205,29 @@ mod tests {
         }
         let error = Error::from_rank("rank 1", &Status::invalid_argument("bad seed"));
         assert_eq!(error, Error::invalid("rank 1: bad seed"));
+    }
+
+    #[test]
+    fn kinds_map_to_http_statuses_and_survive_a_status() {
+        let kinds = [
+            (Kind::InvalidRequest, 400),
+            (Kind::OutOfRange, 400),
+            (Kind::Unsupported, 400),
+            (Kind::Unauthenticated, 401),
+            (Kind::NotFound, 404),
+            (Kind::Capacity, 429),
+            (Kind::Unavailable, 503),
+            (Kind::Internal, 500),
+        ];
+        for (kind, http) in kinds {
+            assert_eq!(kind.http_status(), http, "{kind:?}");
+            assert_eq!(Kind::of_status(kind.code()), kind);
+        }
+        assert_eq!(Kind::of_status(Kind::RankUnavailable.code()).http_status(), 503);
+        let body = Error::capacity("queue full").openai_body(Some("n"));
+        assert_eq!(body["error"]["message"], "queue full");
+        assert_eq!(body["error"]["type"], "rate_limit_error");
+        assert_eq!(body["error"]["param"], "n");
+        assert_eq!(body["error"]["code"], 429);
     }
 }

@@ -6,6 +6,7 @@ pub mod detokenizer;
 pub mod engine;
 pub mod error;
 pub mod gguf_tokenizer;
+pub mod http;
 pub mod ranks;
 pub mod service;
 pub mod stop;
@@ -64,6 +65,8 @@ pub struct CoordinatorOptions {
     pub rank_tls: Option<crate::net::ClientTls>,
     /// host:port for Prometheus metrics
     pub metrics_listen: Option<String>,
+    /// host:port for the OpenAI-compatible HTTP API
+    pub http_listen: Option<String>,
 }
 
 /// The shared secrets a coordinator uses (see `crate::auth`).
@@ -505,6 +508,13 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
             }
         });
     }
+    let http = match &options.http_listen {
+        Some(address) => {
+            let api = service::Api::new(coordinator_receiver.clone(), options.limits.request.clone());
+            Some(http::HttpServer::start(address, api, options.tokens.api.clone(), &options.limits.request).await?)
+        }
+        None => None,
+    };
     let (stop_server, server_stopped) = tokio::sync::oneshot::channel::<()>();
     let mut server = tokio::spawn(service::serve(
         health_service,
@@ -569,6 +579,9 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
         _ = stop.clone() => {
             coordinator.drain(options.shutdown_grace).await;
             let _ = stop_server.send(());
+            if let Some(http) = http {
+                http.stop().await;
+            }
             match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
                 Ok(result) => result.context("server task panicked")?.context("serving the public API")?,
                 Err(_) => {

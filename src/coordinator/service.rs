@@ -10,6 +10,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::error::{Error, Kind};
+use super::stream::ClientStream;
 use super::validation::{RequestLimits, Validator};
 use super::{Coordinator, ModelHandle};
 use crate::auth::RequireToken;
@@ -87,7 +88,7 @@ pub async fn serve(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(GeneratorServer::with_interceptor(
-            GeneratorService { coordinator: coordinator.clone(), validator: Arc::new(Validator::new(limits.request.clone())) },
+            GeneratorService { api: Api::new(coordinator.clone(), limits.request.clone()) },
             RequireToken::api(tokens.api),
         ))
         .add_service(AdminServer::with_interceptor(AdminService { coordinator }, RequireToken::admin(tokens.admin)))
@@ -120,35 +121,63 @@ async fn find_model(coordinator: &Coordinator, id: &str) -> Result<Arc<ModelHand
     })
 }
 
-pub struct GeneratorService {
+/// What every public API (gRPC Generator, the OpenAI-compatible HTTP API) does with a request:
+/// readiness, finding the model, encoding the prompt, validating and queueing.
+#[derive(Clone)]
+pub struct Api {
     coordinator: CoordinatorCell,
-    validator: Arc<Validator>,
+    pub validator: Arc<Validator>,
 }
 
-impl GeneratorService {
+impl Api {
+    pub fn new(coordinator: CoordinatorCell, limits: RequestLimits) -> Self {
+        Self { coordinator, validator: Arc::new(Validator::new(limits)) }
+    }
+
+    /// The coordinator, if it is serving: not starting, draining or recovering.
+    pub fn ready(&self) -> Result<Arc<Coordinator>, Error> {
+        ready(&self.coordinator)
+    }
+
+    /// A loaded model by id ("" is the default model).
+    pub async fn model(&self, coordinator: &Coordinator, id: &str) -> Result<Arc<ModelHandle>, Error> {
+        find_model(coordinator, id).await
+    }
+
+    /// The token ids of a prompt given as text or as ids (exactly one of them).
+    pub async fn prompt_ids(&self, model: &Arc<ModelHandle>, text: String, ids: Vec<u32>) -> Result<Vec<u32>, Error> {
+        match (text.is_empty(), ids.is_empty()) {
+            (false, false) => Err(Error::invalid("give either prompt or prompt_ids, not both")),
+            (true, true) => Err(Error::invalid("the prompt is empty: give prompt text or prompt_ids")),
+            (false, true) => self.validator.encode_prompt(model, text, true).await,
+            (true, false) => Ok(ids),
+        }
+    }
+
     /// Queues a validated prompt; counts requests refused as invalid.
-    async fn start(
+    pub async fn start(
         &self,
         model: &Arc<ModelHandle>,
         prompt_ids: Result<Vec<u32>, Error>,
-        params: Option<pb::GenerationParams>,
+        params: pb::GenerationParams,
         deadline: Option<std::time::Instant>,
         span: tracing::Span,
-    ) -> Result<Response<ResponseStream>, Status> {
+    ) -> Result<ClientStream, Error> {
         let result = match prompt_ids {
-            Ok(ids) => self.validator.queue(model, ids, params.unwrap_or_default(), deadline, span).await,
-            Err(status) => Err(status),
+            Ok(ids) => self.validator.queue(model, ids, params, deadline, span).await,
+            Err(error) => Err(error),
         };
-        match result {
-            Ok(stream) => Ok(Response::new(Box::pin(stream))),
-            Err(error) => {
-                if matches!(error.kind, Kind::InvalidRequest | Kind::OutOfRange) {
-                    model.metrics.failure("invalid_request");
-                }
-                Err(error.into())
+        if let Err(error) = &result {
+            if matches!(error.kind, Kind::InvalidRequest | Kind::OutOfRange) {
+                model.metrics.failure("invalid_request");
             }
         }
+        result
     }
+}
+
+pub struct GeneratorService {
+    api: Api,
 }
 
 #[tonic::async_trait]
@@ -157,40 +186,37 @@ impl Generator for GeneratorService {
     type ChatStream = ResponseStream;
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<ResponseStream>, Status> {
-        let coordinator = ready(&self.coordinator)?;
+        let coordinator = self.api.ready()?;
         let deadline = request_deadline(request.metadata());
         let span = request_span("generate", request.metadata());
         let request = request.into_inner();
-        let model = find_model(&coordinator, &request.model).await?;
-        let prompt_ids = match (request.prompt.is_empty(), request.prompt_ids.is_empty()) {
-            (false, false) => Err(Error::invalid("give either prompt or prompt_ids, not both")),
-            (true, true) => Err(Error::invalid("the prompt is empty: give prompt text or prompt_ids")),
-            (false, true) => self.validator.encode_prompt(&model, request.prompt, true).await,
-            (true, false) => Ok(request.prompt_ids),
-        };
-        self.start(&model, prompt_ids, request.params, deadline, span).await
+        let model = self.api.model(&coordinator, &request.model).await?;
+        let prompt_ids = self.api.prompt_ids(&model, request.prompt, request.prompt_ids).await;
+        let stream = self.api.start(&model, prompt_ids, request.params.unwrap_or_default(), deadline, span).await?;
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<ResponseStream>, Status> {
-        let coordinator = ready(&self.coordinator)?;
+        let coordinator = self.api.ready()?;
         let deadline = request_deadline(request.metadata());
         let span = request_span("chat", request.metadata());
         let request = request.into_inner();
-        let model = find_model(&coordinator, &request.model).await?;
-        let prompt_ids = self.validator.encode_chat(&model, request.messages).await;
-        self.start(&model, prompt_ids, request.params, deadline, span).await
+        let model = self.api.model(&coordinator, &request.model).await?;
+        let prompt_ids = self.api.validator.encode_chat(&model, request.messages).await;
+        let stream = self.api.start(&model, prompt_ids, request.params.unwrap_or_default(), deadline, span).await?;
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
-        let coordinator = ready(&self.coordinator)?;
+        let coordinator = self.api.ready()?;
         let request = request.into_inner();
-        let model = find_model(&coordinator, &request.model).await?;
-        Ok(Response::new(self.validator.tokenize(&model, request.text, request.add_special_tokens).await?))
+        let model = self.api.model(&coordinator, &request.model).await?;
+        Ok(Response::new(self.api.validator.tokenize(&model, request.text, request.add_special_tokens).await?))
     }
 
     async fn model_info(&self, request: Request<pb::ModelInfoRequest>) -> Result<Response<pb::ModelInfoResponse>, Status> {
-        let coordinator = ready(&self.coordinator)?;
-        let model = find_model(&coordinator, &request.get_ref().model).await?;
+        let coordinator = self.api.ready()?;
+        let model = self.api.model(&coordinator, &request.get_ref().model).await?;
         Ok(Response::new(model.info(coordinator.supervisor.tp_size())))
     }
 }

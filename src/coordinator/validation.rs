@@ -83,6 +83,18 @@ impl Validator {
 
     /// The token ids of a chat, rendered through the model's template.
     pub async fn encode_chat(&self, model: &Arc<ModelHandle>, messages: Vec<pb::ChatMessage>) -> Result<Vec<u32>, Error> {
+        let messages = messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
+        self.encode_chat_with(model, messages, serde_json::Map::new()).await
+    }
+
+    /// Like [`encode_chat`](Self::encode_chat), with extra template variables (e.g.
+    /// `enable_thinking`), which count toward the size limit.
+    pub async fn encode_chat_with(
+        &self,
+        model: &Arc<ModelHandle>,
+        messages: Vec<ChatMessage>,
+        extra: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Vec<u32>, Error> {
         if messages.is_empty() {
             return Err(Error::invalid("messages is empty: give at least one message"));
         }
@@ -93,7 +105,8 @@ impl Validator {
                 messages.len()
             )));
         }
-        let bytes: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum();
+        let extra_bytes = if extra.is_empty() { 0 } else { serde_json::Value::Object(extra.clone()).to_string().len() };
+        let bytes: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum::<usize>() + extra_bytes;
         self.check_text("the chat's messages together", bytes)?;
         if model.chat_template.is_none() {
             return Err(Error::new(Kind::Unsupported, format!("model \"{}\" has no chat template; use Generate", model.id)));
@@ -101,10 +114,8 @@ impl Validator {
         let model = model.clone();
         self.off_runtime(move || {
             let template = model.chat_template.as_ref().ok_or_else(|| Error::internal("chat template missing"))?;
-            let messages: Vec<ChatMessage> =
-                messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
             let prompt = template
-                .render(&messages, true)
+                .render_with(&messages, true, &extra)
                 .map_err(|err| Error::invalid(format!("cannot render the chat template: {err:#}")))?;
             // The template already wrote any special tokens the model expects.
             encode(&model, &prompt, false)

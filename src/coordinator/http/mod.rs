@@ -1,0 +1,283 @@
+//! The OpenAI-compatible HTTP API, beside the gRPC one (`--http-listen`): `POST
+//! /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` and `GET /health`.
+//!
+//! Requests go through the same [`Api`] as gRPC's Generator: readiness, model lookup, prompt
+//! encoding, validation and the scheduler's queue, so both APIs refuse and generate alike.
+//! Errors are OpenAI error objects with the HTTP status of their kind ([`Error::openai_body`]).
+//! Each of `n` choices is its own sequence; dropping a response (the client went away) drops
+//! its streams, which cancels the sequences and frees their KV cache.
+
+mod response;
+mod sse;
+pub mod types;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::StreamExt;
+use serde_json::{Value, json};
+use tonic::service::Interceptor;
+
+use super::error::{Error, Kind};
+use super::service::Api;
+use super::stream::ClientStream;
+use super::validation::RequestLimits;
+use super::{Coordinator, ModelHandle};
+use crate::auth::{RequireToken, Secret};
+use crate::proto::v1 as pb;
+use response::Header;
+use types::{Endpoint, Parsed, PromptInput, Prompts};
+
+/// An error as the HTTP API answers it: the coordinator's error, and the request field at fault.
+#[derive(Debug)]
+pub struct HttpError {
+    pub error: Error,
+    pub param: Option<String>,
+}
+
+impl HttpError {
+    pub fn param(error: Error, param: &str) -> Self {
+        Self { error, param: Some(param.to_owned()) }
+    }
+}
+
+impl From<Error> for HttpError {
+    fn from(error: Error) -> Self {
+        Self { error, param: None }
+    }
+}
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.error.kind.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        json_response(status, &self.error.openai_body(self.param.as_deref()))
+    }
+}
+
+fn json_response(status: StatusCode, value: &Value) -> Response {
+    (status, [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))], value.to_string()).into_response()
+}
+
+struct HttpState {
+    api: Api,
+    /// the API token, as a bearer token (`Authorization: Bearer <token>`)
+    token: Option<Secret>,
+    body_limit: usize,
+}
+
+/// The largest request body: room for a prompt of `--max-prompt-bytes` even when every byte
+/// of it is escaped in JSON, plus the other fields.
+pub fn body_limit(limits: &RequestLimits) -> usize {
+    limits.max_prompt_bytes.saturating_mul(6).saturating_add(64 << 10)
+}
+
+impl HttpState {
+    /// The same check of the API token as the gRPC interceptor's.
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), HttpError> {
+        let mut metadata = HeaderMap::new();
+        if let Some(value) = headers.get(header::AUTHORIZATION) {
+            metadata.insert(header::AUTHORIZATION, value.clone());
+        }
+        let request =
+            tonic::Request::from_parts(tonic::metadata::MetadataMap::from_headers(metadata), tonic::Extensions::default(), ());
+        RequireToken::api(self.token.clone()).call(request).map(drop).map_err(|status| Error::from_status(&status).into())
+    }
+
+    fn body(&self, body: Result<Bytes, BytesRejection>) -> Result<Bytes, HttpError> {
+        body.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                Error::invalid(format!(
+                    "the request body is larger than {} bytes, the most accepted (6 × --max-prompt-bytes + 64 KiB)",
+                    self.body_limit
+                ))
+            } else {
+                Error::invalid(format!("cannot read the request body: {rejection}"))
+            }
+            .into()
+        })
+    }
+}
+
+/// The router of the HTTP API.
+pub fn router(api: Api, token: Option<Secret>, limits: &RequestLimits) -> Router {
+    let body_limit = body_limit(limits);
+    let state = Arc::new(HttpState { api, token, body_limit });
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .fallback(|| async { HttpError::from(Error::not_found("no such endpoint")) })
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+/// A running HTTP server; dropping it stops it at once.
+pub struct HttpServer {
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl HttpServer {
+    /// Binds `address` (host:port) and serves the API there on this runtime.
+    pub async fn start(address: &str, api: Api, token: Option<Secret>, limits: &RequestLimits) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind(address)
+            .await
+            .map_err(|err| anyhow::anyhow!("cannot listen on {address} for the HTTP API: {err}"))?;
+        tracing::info!(listen = %listener.local_addr()?, "HTTP API (OpenAI-compatible) listening");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let app = router(api, token, limits);
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Ok(Self { task, stop: Some(stop) })
+    }
+
+    /// Stops accepting, lets open responses finish for at most 5 s, then closes them.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match tokio::time::timeout(std::time::Duration::from_secs(5), &mut self.task).await {
+            Ok(Ok(Err(err))) => tracing::error!(error = %err, "the HTTP API server failed"),
+            Ok(_) => {}
+            Err(_) => tracing::warn!("HTTP connections did not close within 5 s; closing them"),
+        }
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// 200 while the server is SERVING, else 503 with the reason.
+async fn health(State(state): State<Arc<HttpState>>) -> Response {
+    match state.api.ready() {
+        Ok(_) => json_response(StatusCode::OK, &json!({"status": "SERVING"})),
+        Err(error) => HttpError::from(error).into_response(),
+    }
+}
+
+async fn models(State(state): State<Arc<HttpState>>, headers: HeaderMap) -> Result<Response, HttpError> {
+    state.authorize(&headers)?;
+    let coordinator: Arc<Coordinator> = state.api.ready()?;
+    let models = coordinator.models.read().await;
+    let mut data: Vec<Value> = models
+        .values()
+        .map(|m| json!({"id": m.id, "object": "model", "created": 0, "owned_by": "tpserve", "max_model_len": m.max_context}))
+        .collect();
+    data.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
+    Ok(json_response(StatusCode::OK, &json!({"object": "list", "data": data})))
+}
+
+async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, HttpError> {
+    complete(&state, &headers, body, Endpoint::Chat).await
+}
+
+async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, HttpError> {
+    complete(&state, &headers, body, Endpoint::Completion).await
+}
+
+async fn complete(state: &HttpState, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, endpoint: Endpoint) -> Result<Response, HttpError> {
+    state.authorize(headers)?;
+    let body = state.body(body)?;
+    let request = types::parse(endpoint, &body)?;
+    let coordinator = state.api.ready()?;
+    let model = state.api.model(&coordinator, &request.model).await.map_err(|e| HttpError::param(e, "model"))?;
+    let name = match endpoint {
+        Endpoint::Chat => "chat.completions",
+        Endpoint::Completion => "completions",
+    };
+    let span = tracing::info_span!("request", otel.name = name, model = tracing::field::Empty);
+    let streams = start(state, &model, &request, span).await?;
+    let header = Header::new(endpoint, &model.id);
+    let n = request.n as usize;
+    if request.stream {
+        let events = sse::Events::new(header, model, request.logprobs(), request.include_usage, n, streams);
+        let mut response = Body::from_stream(events.into_stream()).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return Ok(response);
+    }
+    let logprobs = request.logprobs();
+    let collected = futures::future::try_join_all(streams.into_iter().map(|(index, stream)| collect(endpoint, &model, logprobs, index, stream))).await?;
+    let (mut prompt_tokens, mut completion_tokens) = (0u64, 0u64);
+    let mut choices = Vec::with_capacity(collected.len());
+    for (index, (choice, usage)) in collected.into_iter().enumerate() {
+        if index % n == 0 {
+            prompt_tokens += u64::from(usage.prompt_tokens);
+        }
+        completion_tokens += u64::from(usage.completion_tokens);
+        choices.push(choice);
+    }
+    Ok(json_response(StatusCode::OK, &header.response(choices, response::usage(prompt_tokens, completion_tokens))))
+}
+
+/// Encodes the prompts and queues `n` sequences for each: choice `p * n + i` is choice `i` of
+/// prompt `p`, its seed (when one is given) the request's plus `i`.
+async fn start(state: &HttpState, model: &Arc<ModelHandle>, request: &Parsed, span: tracing::Span) -> Result<Vec<(usize, ClientStream)>, HttpError> {
+    let api = &state.api;
+    let prompts: Vec<Result<Vec<u32>, Error>> = match &request.prompts {
+        Prompts::Chat { messages, template_kwargs } => {
+            vec![api.validator.encode_chat_with(model, messages.clone(), template_kwargs.clone()).await]
+        }
+        Prompts::Completion(inputs) => {
+            let mut prompts = Vec::with_capacity(inputs.len());
+            for input in inputs {
+                prompts.push(match input {
+                    PromptInput::Text(text) => api.prompt_ids(model, text.clone(), Vec::new()).await,
+                    PromptInput::Ids(ids) => api.prompt_ids(model, String::new(), ids.clone()).await,
+                });
+            }
+            prompts
+        }
+    };
+    let n = request.n as usize;
+    let mut streams = Vec::with_capacity(prompts.len() * n);
+    for (p, prompt_ids) in prompts.into_iter().enumerate() {
+        for i in 0..n {
+            let mut params = request.params.clone();
+            params.seed = params.seed.map(|seed| seed.wrapping_add(i as u64));
+            let stream = api.start(model, prompt_ids.clone(), params, None, span.clone()).await?;
+            streams.push((p * n + i, stream));
+        }
+    }
+    Ok(streams)
+}
+
+/// Reads one choice's stream to its end: the choice of a whole response, and its usage.
+async fn collect(endpoint: Endpoint, model: &ModelHandle, logprobs: bool, index: usize, mut stream: ClientStream) -> Result<(Value, pb::Usage), HttpError> {
+    let mut text = String::new();
+    let mut tokens = Vec::new();
+    while let Some(item) = stream.next().await {
+        let message = item.map_err(|status| Error::from_status(&status))?;
+        text.push_str(&message.text);
+        if message.finish_reason != pb::FinishReason::Unspecified as i32 {
+            let logprobs = if logprobs {
+                response::logprobs(endpoint, model, &tokens.iter().collect::<Vec<_>>(), 0)
+            } else {
+                Value::Null
+            };
+            let reason = response::finish_reason(message.finish_reason);
+            let choice = response::choice(endpoint, index, text, logprobs, reason);
+            return Ok((choice, message.usage.unwrap_or_default()));
+        }
+        if logprobs {
+            tokens.push(message);
+        }
+    }
+    Err(Error::new(Kind::Internal, "a response stream ended without a finish reason").into())
+}
