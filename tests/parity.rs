@@ -42,9 +42,17 @@ struct GroupRun {
 /// Runs `tpserve eval-shard` as `tp` separate OS processes joined by the CPU socket backend
 /// (EOS suppressed) and returns rank 0's report (see [`common::ShardRun`]).
 fn run_group(name: &str, tp: usize, chunk: usize, transport: Transport) -> GroupRun {
+    run_group_with(name, tp, chunk, transport, "f32", None)
+}
+
+/// [`run_group`] loading the weights in `dtype`, with the CPU kernels capped at `isa`
+/// (TPSERVE_CPU_ISA) when given.
+fn run_group_with(name: &str, tp: usize, chunk: usize, transport: Transport, dtype: &str, isa: Option<&str>) -> GroupRun {
     let model = common::fixture(name);
     let prompts: Vec<Vec<u32>> = common::expected(name).into_iter().map(|p| p.ids).collect();
-    GroupRun { prompts: ShardRun { chunk, transport, ..ShardRun::new(&model, &prompts, tp) }.run() }
+    let env: Vec<(&str, &str)> = isa.map(|isa| ("TPSERVE_CPU_ISA", isa)).into_iter().collect();
+    let run = ShardRun { chunk, transport, env: &env, dtype: Some(dtype), ..ShardRun::new(&model, &prompts, tp) };
+    GroupRun { prompts: run.run() }
 }
 
 fn check_parity(tp: usize, transport: Transport) {
@@ -126,9 +134,45 @@ fn sharded_checkpoint_with_index_matches_reference() {
     assert!(common::max_abs_diff(&result.last_logits, &prompt.last_logits) < 1e-4);
 }
 
-/// Weights kept in their stored bf16 (no cast), or cast to f16, run the same model in that
-/// dtype. Half precision cannot meet the f32 tolerance; this checks the reduced-precision
-/// paths work and stay close: logits within 0.05 of the f32-compute reference.
+/// bf16 weights kept bf16 in memory (CPU: multiplied in f32 by the bf16-weight kernel) meet the
+/// f32 tolerance of the f32-compute reference, with half the weight bytes of an f32 load.
+#[test]
+fn bf16_resident_weights_meet_the_f32_tolerance() {
+    let f32_bytes = load_single("qwen3_c_bf16").weight_bytes();
+    let options = LoadOptions { dtype: Some(DType::BF16), device: Device::Cpu };
+    let model = Model::load(&common::fixture("qwen3_c_bf16"), &TpGroup::single(), &options, Arc::new(LoadProgress::default()))
+        .unwrap();
+    assert_eq!(model.dtype(), DType::BF16);
+    // Norm weights stay f32, so a little over half.
+    assert!(model.weight_bytes() * 10 < f32_bytes * 6, "{} of {f32_bytes} bytes", model.weight_bytes());
+    let mut worst = 0f32;
+    for (i, prompt) in common::expected("qwen3_c_bf16").iter().enumerate() {
+        let result = offline::greedy(&model, 1, &prompt.ids, 16, 0, &[EOS]).unwrap().unwrap();
+        let diff = common::max_abs_diff(&result.last_logits, &prompt.last_logits);
+        worst = worst.max(diff);
+        assert_eq!(result.new_ids, prompt.greedy_new_ids, "prompt {i} greedy ids");
+        assert!(diff < 1e-4, "prompt {i}: logits differ by {diff}");
+    }
+    println!("bf16-resident weights ({:?} kernel): max |logit diff| = {worst:.3e}", tpserve::model::cpu_matmul::Isa::selected());
+}
+
+/// The same at TP 2 in separate processes, on the selected kernel path and the portable one.
+#[test]
+fn bf16_resident_weights_tp2_match_reference_on_every_kernel_path() {
+    for isa in [None, Some("portable")] {
+        let got = run_group_with("qwen3_c_bf16", 2, 0, Transport::Unix, "bf16", isa);
+        for (i, (got, want)) in got.prompts.iter().zip(common::expected("qwen3_c_bf16")).enumerate() {
+            let diff = common::max_abs_diff(&got.last_logits, &want.last_logits);
+            println!("bf16 TP 2 kernel {isa:?} prompt {i}: max |logit diff| = {diff:.3e}");
+            assert_eq!(got.new_ids, want.greedy_new_ids, "kernel {isa:?} prompt {i}");
+            assert!(diff < 1e-4, "kernel {isa:?} prompt {i}: {diff}");
+        }
+    }
+}
+
+/// Weights kept in their stored bf16 (no cast; on CPU computed in f32 as above), or cast to
+/// f16 and computed in f16. Half precision cannot meet the f32 tolerance; this checks the
+/// reduced-precision paths work and stay close: logits within 0.05 of the f32-compute reference.
 #[test]
 fn half_precision_compute_stays_close_to_reference() {
     for dtype in [None, Some(DType::F16)] {

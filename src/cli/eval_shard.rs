@@ -46,7 +46,7 @@ pub struct EvalShardArgs {
     /// Prefill chunk size (0: whole prompt in one step)
     #[arg(long, default_value_t = 0)]
     pub chunk: usize,
-    /// f32, bf16, f16 or checkpoint
+    /// f32, bf16 (on CPU: bf16 weights, f32 compute), f16, checkpoint or auto
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     /// Token ids never chosen (EOS while it is ignored)
@@ -121,6 +121,8 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         "bf16" => Some(DType::BF16),
         "f16" => Some(DType::F16),
         "checkpoint" => None,
+        "auto" if device.is_cpu() => Some(crate::model::cpu_auto_dtype(&args.model)),
+        "auto" => Some(DType::BF16),
         other => bail!("unknown dtype {other}"),
     };
     let started = Instant::now();

@@ -148,7 +148,8 @@ pub struct CoordinatorArgs {
     /// Address to serve the public API on
     #[arg(long)]
     pub listen: Address,
-    /// Weight dtype: auto, checkpoint, f32, bf16, f16
+    /// Weight dtype: auto (GPU: bf16; CPU: a bf16 checkpoint stays bf16 where the CPU has a SIMD
+    /// bf16 kernel, else f32), checkpoint, f32, bf16 (on CPU: bf16 weights, f32 compute), f16
     #[arg(long, default_value = "auto")]
     pub dtype: String,
     #[command(flatten)]
@@ -276,7 +277,8 @@ pub struct ServeArgs {
     /// Address to serve the public API on
     #[arg(long)]
     pub listen: Address,
-    /// Weight dtype: auto, checkpoint, f32, bf16, f16
+    /// Weight dtype: auto (GPU: bf16; CPU: a bf16 checkpoint stays bf16 where the CPU has a SIMD
+    /// bf16 kernel, else f32), checkpoint, f32, bf16 (on CPU: bf16 weights, f32 compute), f16
     #[arg(long, default_value = "auto")]
     pub dtype: String,
     /// Compute threads per rank (default: cores / tp)

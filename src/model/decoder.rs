@@ -137,7 +137,7 @@ impl Model {
                 TokenMixer::Linear(_) => 0,
             })
             .sum();
-        elements * self.dtype().size_in_bytes()
+        elements * self.embed.compute_dtype().size_in_bytes()
     }
 
     pub fn new_sequence_cache(&self) -> SequenceCache {

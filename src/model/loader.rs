@@ -178,19 +178,28 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     )
 }
 
-/// Reads tensors (or slices of them) under a name prefix, converting to the compute dtype.
+/// Reads tensors (or slices of them) under a name prefix, converting to the compute dtype, or
+/// for the weights of matrix products ([`ShardLoader::matmul_slice`]) to the matmul dtype.
 #[derive(Clone)]
 pub struct ShardLoader {
     files: Arc<WeightFiles>,
     prefix: String,
     device: Device,
     dtype: DType,
+    matmul_dtype: DType,
     progress: Arc<LoadProgress>,
 }
 
 impl ShardLoader {
     pub fn new(files: Arc<WeightFiles>, device: Device, dtype: DType, progress: Arc<LoadProgress>) -> Self {
-        Self { files, prefix: String::new(), device, dtype, progress }
+        Self { files, prefix: String::new(), device, dtype, matmul_dtype: dtype, progress }
+    }
+
+    /// Keeps the weights of matrix products (linear layers, embedding tables, experts) in
+    /// `dtype` while everything else, and the computation, stays in the compute dtype: on CPU,
+    /// bf16 weights multiplied by f32 activations (see `cpu_matmul`).
+    pub fn with_matmul_dtype(self, dtype: DType) -> Self {
+        Self { matmul_dtype: dtype, ..self }
     }
 
     /// A loader for the names under `prefix.` (like candle's `VarBuilder::pp`).
@@ -207,8 +216,14 @@ impl ShardLoader {
         &self.device
     }
 
+    /// The compute dtype: activations, norms and every tensor not read by [`Self::matmul_slice`].
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype the weights of matrix products are held in.
+    pub fn matmul_dtype(&self) -> DType {
+        self.matmul_dtype
     }
 
     pub fn full_name(&self, name: &str) -> String {
@@ -233,9 +248,31 @@ impl ShardLoader {
         dim: usize,
         ranges: &[Range<usize>],
     ) -> Result<Tensor> {
+        self.slice_as(name, expected_shape, dim, ranges, self.dtype)
+    }
+
+    /// [`Self::slice`] of the weight of a matrix product, in the matmul dtype.
+    pub fn matmul_slice(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        dim: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<Tensor> {
+        self.slice_as(name, expected_shape, dim, ranges, self.matmul_dtype)
+    }
+
+    fn slice_as(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        dim: usize,
+        ranges: &[Range<usize>],
+        target: DType,
+    ) -> Result<Tensor> {
         let full_name = self.full_name(name);
         if let Some(gguf) = &self.files.gguf {
-            return self.slice_dense(&full_name, gguf.dequantize(&full_name)?, expected_shape, dim, ranges);
+            return self.slice_dense(&full_name, gguf.dequantize(&full_name)?, expected_shape, dim, ranges, target);
         }
         let view = self.files.view(&full_name)?;
         let shape = view.shape();
@@ -275,7 +312,7 @@ impl ShardLoader {
         out_shape[dim] = selected;
         let tensor = Tensor::from_raw_buffer(&bytes, dtype, &out_shape, &self.device)
             .with_context(|| format!("cannot build tensor \"{full_name}\""))?
-            .to_dtype(self.dtype)?;
+            .to_dtype(target)?;
         self.progress.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         self.progress.tensors.fetch_add(1, Ordering::Relaxed);
         Ok(tensor)
@@ -291,6 +328,7 @@ impl ShardLoader {
         expected_shape: &[usize],
         dim: usize,
         ranges: &[Range<usize>],
+        target: DType,
     ) -> Result<Tensor> {
         if tensor.dims() != expected_shape {
             bail!("tensor \"{full_name}\" has shape {:?} but the model config implies {expected_shape:?}", tensor.dims());
@@ -306,7 +344,7 @@ impl ShardLoader {
         }
         let out = Tensor::cat(&parts, dim)
             .with_context(|| format!("cannot build tensor \"{full_name}\""))?
-            .to_dtype(self.dtype)?
+            .to_dtype(target)?
             .to_device(&self.device)?;
         self.progress.bytes.fetch_add((out.elem_count() * DType::F32.size_in_bytes()) as u64, Ordering::Relaxed);
         self.progress.tensors.fetch_add(1, Ordering::Relaxed);

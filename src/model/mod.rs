@@ -44,9 +44,28 @@ pub struct SequenceInput<'a> {
 /// How to load a shard.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// dtype the weights are converted to and computed in; None keeps the checkpoint's dtype.
+    /// dtype the weights are converted to; None keeps the checkpoint's dtype. The model computes
+    /// in it too, except bf16 on CPU: there the weights of matrix products stay bf16 (half the
+    /// bytes of f32 to hold and to stream per token) and everything is computed in f32 (see
+    /// `cpu_matmul`), as exact as converting the weights to f32.
     pub dtype: Option<DType>,
     pub device: Device,
+}
+
+/// (compute dtype, dtype of the weights of matrix products) for weights in `dtype`.
+pub fn resident_dtypes(dtype: DType, device: &Device) -> (DType, DType) {
+    if device.is_cpu() && dtype == DType::BF16 { (DType::F32, DType::BF16) } else { (dtype, dtype) }
+}
+
+/// What `--dtype auto` loads on CPU: a bf16 checkpoint stays bf16 where the CPU has a fast
+/// bf16-weight kernel ([`cpu_matmul::bf16_weights_fast`]); anything else is computed in f32.
+/// A checkpoint that cannot be read gets f32 (loading it reports the error).
+pub fn cpu_auto_dtype(dir: &Path) -> DType {
+    let stored = WeightFiles::open(dir).and_then(|files| checkpoint_dtype(&files));
+    match stored {
+        Ok(DType::BF16) if cpu_matmul::bf16_weights_fast() => DType::BF16,
+        _ => DType::F32,
+    }
 }
 
 /// A loaded shard: every family is the one decoder of `decoder.rs` with per-layer mixers
@@ -67,7 +86,8 @@ impl Model {
             Some(dtype) => dtype,
             None => checkpoint_dtype(&files)?,
         };
-        let loader = ShardLoader::new(files, options.device.clone(), dtype, progress);
+        let (compute, matmul) = resident_dtypes(dtype, &options.device);
+        let loader = ShardLoader::new(files, options.device.clone(), compute, progress).with_matmul_dtype(matmul);
         match config.family {
             ModelFamily::Qwen3 | ModelFamily::Llama => qwen3::load(&loader, group, &config),
             ModelFamily::Qwen3Moe => qwen3_moe::load(&loader, group, &config),

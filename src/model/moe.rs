@@ -102,9 +102,9 @@ impl ExpertSlice {
     /// `{prefix}.down_proj`.
     fn load(loader: &ShardLoader, prefix: &str, hidden: usize, intermediate: usize, field: &str, group: &TpGroup) -> Result<Self> {
         let rows = group.part(field, intermediate)?;
-        let gate = loader.slice(&format!("{prefix}.gate_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
-        let up = loader.slice(&format!("{prefix}.up_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
-        let down = loader.slice(&format!("{prefix}.down_proj.weight"), &[hidden, intermediate], 1, &[rows])?;
+        let gate = loader.matmul_slice(&format!("{prefix}.gate_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
+        let up = loader.matmul_slice(&format!("{prefix}.up_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
+        let down = loader.matmul_slice(&format!("{prefix}.down_proj.weight"), &[hidden, intermediate], 1, &[rows])?;
         Ok(Self { gate_up: Tensor::cat(&[gate, up], 0)?, down })
     }
 
@@ -120,10 +120,7 @@ impl ExpertSlice {
 /// `x @ weight.T`, through the decode kernel when it applies (a token routed to an expert is
 /// a few rows).
 fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-    match super::cpu_matmul::matmul_transposed(x, weight)? {
-        Some(y) => Ok(y),
-        None => Ok(x.matmul(&weight.t()?)?),
-    }
+    super::parallel::matmul_transposed(x, weight)
 }
 
 /// A sparse MoE block: top-k routed experts plus, optionally, a shared expert behind a sigmoid
@@ -149,8 +146,8 @@ impl SparseMoe {
         let experts = if loader.contains("experts.gate_up_proj") {
             let rows = group.part("moe_intermediate_size", inter)?;
             let upper = rows.start + inter..rows.end + inter;
-            let gate_up = loader.slice("experts.gate_up_proj", &[e, 2 * inter, hidden], 1, &[rows.clone(), upper])?;
-            let down = loader.slice("experts.down_proj", &[e, hidden, inter], 2, &[rows])?;
+            let gate_up = loader.matmul_slice("experts.gate_up_proj", &[e, 2 * inter, hidden], 1, &[rows.clone(), upper])?;
+            let down = loader.matmul_slice("experts.down_proj", &[e, hidden, inter], 2, &[rows])?;
             (0..e)
                 .map(|i| Ok(ExpertSlice { gate_up: gate_up.get(i)?.contiguous()?, down: down.get(i)?.contiguous()? }))
                 .collect::<Result<Vec<_>>>()?

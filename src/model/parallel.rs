@@ -60,16 +60,26 @@ impl TpGroup {
     }
 }
 
-/// `x @ weight.T` for x of shape [tokens, in] and weight [out, in].
+/// `x @ weight.T` for x of shape [tokens, in] and weight [out, in], in x's dtype (the weight
+/// may be held in another dtype: bf16 weights with f32 activations on CPU).
 fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let y = match super::cpu_matmul::matmul_transposed(x, weight)? {
-        Some(y) => y,
-        None => x.matmul(&weight.t()?)?,
-    };
+    let y = matmul_transposed(x, weight)?;
     Ok(match bias {
         Some(bias) => y.broadcast_add(bias)?,
         None => y,
     })
+}
+
+/// `x @ weight.T`: the CPU kernel where it applies, else candle (after converting a weight held
+/// in another dtype, which the CPU kernel makes rare: it takes bf16 weights at any row count).
+pub(crate) fn matmul_transposed(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    if let Some(y) = super::cpu_matmul::matmul_transposed(x, weight)? {
+        return Ok(y);
+    }
+    if weight.dtype() != x.dtype() {
+        return Ok(x.matmul(&weight.to_dtype(x.dtype())?.t()?)?);
+    }
+    Ok(x.matmul(&weight.t()?)?)
 }
 
 /// One region of a column-parallel weight: the rows `rows` of tensor `name`.
@@ -101,7 +111,7 @@ impl ColumnParallelLinear {
         let mut part_sizes = Vec::with_capacity(parts.len());
         for (slice, full_rows) in parts {
             let weight_name = format!("{}.weight", slice.name);
-            weights.push(loader.slice(&weight_name, &[*full_rows, in_features], 0, &slice.rows)?);
+            weights.push(loader.matmul_slice(&weight_name, &[*full_rows, in_features], 0, &slice.rows)?);
             if with_bias {
                 let bias_name = format!("{}.bias", slice.name);
                 biases.push(loader.slice(&bias_name, &[*full_rows], 0, &slice.rows)?);
@@ -170,7 +180,7 @@ impl RowParallelLinear {
         with_bias: bool,
     ) -> Result<Self> {
         let weight =
-            loader.slice(&format!("{name}.weight"), &[out_features, in_features], 1, columns)?;
+            loader.matmul_slice(&format!("{name}.weight"), &[out_features, in_features], 1, columns)?;
         let bias = if with_bias {
             Some(loader.tensor(&format!("{name}.bias"), &[out_features])?)
         } else {
@@ -211,7 +221,9 @@ impl RowParallelLinear {
 /// The embedding table split by vocabulary rows. A rank looks up the ids in its range, writes
 /// zeros for the others, and one all-reduce assembles the full embeddings.
 pub struct VocabParallelEmbedding {
-    weight: Tensor, // [local_vocab, hidden]
+    weight: Tensor, // [local_vocab, hidden], in the matmul dtype (it may be the tied LM head)
+    /// dtype of the embeddings it returns
+    compute_dtype: DType,
     vocab: Range<usize>,
     group: TpGroup,
 }
@@ -228,13 +240,13 @@ impl VocabParallelEmbedding {
             bail!("vocab_size ({vocab_size}) is smaller than the tensor-parallel size {}", group.world_size);
         }
         let vocab = even_part(vocab_size, group.rank, group.world_size);
-        let weight = loader.slice(
+        let weight = loader.matmul_slice(
             &format!("{name}.weight"),
             &[vocab_size, hidden_size],
             0,
             std::slice::from_ref(&vocab),
         )?;
-        Ok(Self { weight, vocab, group: group.clone() })
+        Ok(Self { weight, compute_dtype: loader.dtype(), vocab, group: group.clone() })
     }
 
     /// ids [tokens] (u32) -> [tokens, hidden]. Ids must already be checked against vocab_size.
@@ -255,9 +267,9 @@ impl VocabParallelEmbedding {
         let device = self.weight.device();
         let index = Tensor::from_vec(local_ids, ids.len(), device)?;
         let rows = if local_len == 0 {
-            Tensor::zeros((ids.len(), self.weight.dim(1)?), self.weight.dtype(), device)?
+            Tensor::zeros((ids.len(), self.weight.dim(1)?), self.compute_dtype, device)?
         } else {
-            self.weight.index_select(&index, 0)?
+            self.weight.index_select(&index, 0)?.to_dtype(self.compute_dtype)?
         };
         let mask = Tensor::from_vec(mask, (ids.len(), 1), device)?.to_dtype(rows.dtype())?;
         let local = rows.broadcast_mul(&mask)?;
@@ -266,6 +278,11 @@ impl VocabParallelEmbedding {
 
     pub fn weight(&self) -> &Tensor {
         &self.weight
+    }
+
+    /// The dtype of the embeddings [`Self::forward`] returns: the model's compute dtype.
+    pub fn compute_dtype(&self) -> DType {
+        self.compute_dtype
     }
 }
 
@@ -286,7 +303,7 @@ impl ParallelLmHead {
         hidden_size: usize,
     ) -> Result<Self> {
         let vocab = even_part(vocab_size, group.rank, group.world_size);
-        let weight = loader.slice(&format!("{name}.weight"), &[vocab_size, hidden_size], 0, &[vocab])?;
+        let weight = loader.matmul_slice(&format!("{name}.weight"), &[vocab_size, hidden_size], 0, &[vocab])?;
         Ok(Self::from_weight(weight, group))
     }
 

@@ -5,7 +5,7 @@
 //! steps for free: a rank can only run one forward pass at a time anyway.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -269,7 +269,7 @@ impl Worker {
         if request.model_id.is_empty() {
             return Err(Error::invalid("model_id must not be empty"));
         }
-        let dtype = parse_dtype(&request.dtype, &self.config.device)?;
+        let dtype = parse_dtype(&request.dtype, &self.config.device, Path::new(&request.model_path))?;
         let options = LoadOptions { dtype, device: self.config.device.clone() };
         let path = PathBuf::from(&request.model_path);
         let started = Instant::now();
@@ -277,7 +277,7 @@ impl Worker {
             .map_err(|err| Error::invalid(format!("cannot load {}: {err:#}", path.display())))?;
         let mut info = shard_info(&model);
         info.kv_capacity_tokens = self.kv_capacity_tokens(info.kv_bytes_per_token, group.world_size);
-        tracing::info!(model = %request.model_id, path = %path.display(), elapsed = ?started.elapsed(), "shard loaded");
+        tracing::info!(model = %request.model_id, path = %path.display(), dtype = %info.dtype, weight_bytes = info.weight_bytes, elapsed = ?started.elapsed(), "shard loaded");
         // Replacing a model drops its old caches with it.
         let capacity = info.kv_capacity_tokens as usize;
         self.models.insert(request.model_id, Shard { model, caches: CacheStore::default(), sequences: HashMap::new(), capacity });
@@ -515,9 +515,11 @@ fn step_error(err: anyhow::Error) -> Error {
     }
 }
 
-fn parse_dtype(text: &str, device: &Device) -> Result<Option<DType>, Error> {
+/// The weight dtype of `--dtype`. auto: bf16 on GPUs; on CPU, a bf16 checkpoint stays bf16 where
+/// the CPU has a fast bf16-weight kernel (computed in f32 either way), anything else f32.
+fn parse_dtype(text: &str, device: &Device, model_path: &Path) -> Result<Option<DType>, Error> {
     Ok(match text {
-        "" | "auto" => Some(if device.is_cpu() { DType::F32 } else { DType::BF16 }),
+        "" | "auto" => Some(if device.is_cpu() { crate::model::cpu_auto_dtype(model_path) } else { DType::BF16 }),
         "checkpoint" => None,
         "f32" | "float32" => Some(DType::F32),
         "bf16" | "bfloat16" => Some(DType::BF16),
