@@ -405,3 +405,38 @@ fn auth_capacity_and_unavailable() {
     assert_error(parse(http(port, "POST", "/v1/completions", Some(&body), &[])), 503, "starting");
     common::terminate(&mut coordinator);
 }
+
+/// The HTTP port keeps the gRPC port's limits: past `--max-connections` new clients wait in the
+/// backlog, a connection that sends no request headers for 30 s is closed (slowloris), and past
+/// `--max-concurrent-rpcs` a request is refused with 503 rather than queued.
+#[test]
+fn http_connections_are_capped_and_idle_ones_closed() {
+    use std::io::{Read, Write};
+    let server = HttpServed::start(&["--max-connections", "4", "--max-concurrent-rpcs", "1"], &[]);
+    let port = server.port;
+    let started = Instant::now();
+    let hogs: Vec<std::net::TcpStream> = (0..4).map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    let mut slow = hogs[0].try_clone().unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\n").unwrap();
+    // The fifth client is accepted only once a hog is closed by the header timeout.
+    let (status, _) = http(port, "GET", "/health", None, &[]);
+    let waited = started.elapsed();
+    assert_eq!(status, 200);
+    assert!(waited >= Duration::from_secs(20), "a fifth connection was served after {waited:?}, past the cap of 4");
+    assert!(waited < Duration::from_secs(60), "idle connections were not closed: the fifth waited {waited:?}");
+    for mut hog in hogs {
+        hog.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut sink = Vec::new();
+        let _ = hog.read_to_end(&mut sink);
+    }
+
+    // One request at most producing a response: a long non-streamed completion holds the slot.
+    let long = json!({"model": "qwen3_a", "prompt": "a", "max_tokens": 400, "ignore_eos": true}).to_string();
+    let holder = std::thread::spawn(move || http(port, "POST", "/v1/completions", Some(&long), &[]).0);
+    std::thread::sleep(Duration::from_millis(300));
+    let short = json!({"model": "qwen3_a", "prompt": "a", "max_tokens": 2}).to_string();
+    let (status, body) = http(port, "POST", "/v1/completions", Some(&short), &[]);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("--max-concurrent-rpcs"), "{body}");
+    assert_eq!(holder.join().unwrap(), 200);
+}

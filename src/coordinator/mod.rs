@@ -511,7 +511,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
     let http = match &options.http_listen {
         Some(address) => {
             let api = service::Api::new(coordinator_receiver.clone(), options.limits.request.clone());
-            Some(http::HttpServer::start(address, api, options.tokens.api.clone(), &options.limits.request).await?)
+            Some(http::HttpServer::start(address, api, options.tokens.api.clone(), &options.limits).await?)
         }
         None => None,
     };

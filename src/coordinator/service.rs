@@ -116,7 +116,7 @@ async fn find_model(coordinator: &Coordinator, id: &str) -> Result<Arc<ModelHand
         if id.is_empty() {
             Error::not_found("no model is loaded")
         } else {
-            Error::not_found(format!("model \"{id}\" is not loaded (see Admin.ListModels)"))
+            Error::not_found(format!("model \"{id}\" is not loaded (the loaded models: Admin.ListModels, or GET /v1/models over HTTP)"))
         }
     })
 }

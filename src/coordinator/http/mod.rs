@@ -12,6 +12,7 @@ mod sse;
 pub mod types;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -22,14 +23,16 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
 use serde_json::{Value, json};
+use tokio::sync::Semaphore;
 use tonic::service::Interceptor;
 
 use super::error::{Error, Kind};
-use super::service::Api;
+use super::service::{Api, RpcLimits};
 use super::stream::ClientStream;
 use super::validation::RequestLimits;
 use super::{Coordinator, ModelHandle};
 use crate::auth::{RequireToken, Secret};
+use crate::net::{AcceptBackoff, Address, Listener};
 use crate::proto::v1 as pb;
 use response::Header;
 use types::{Endpoint, Parsed, PromptInput, Prompts};
@@ -118,47 +121,106 @@ pub fn router(api: Api, token: Option<Secret>, limits: &RequestLimits) -> Router
         .with_state(state)
 }
 
+/// A connection must send a request's headers within this time of opening or of its previous
+/// response, or it is closed: idle keep-alive connections and slowloris clients alike.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// A running HTTP server; dropping it stops it at once.
 pub struct HttpServer {
-    task: tokio::task::JoinHandle<std::io::Result<()>>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    stop: tokio::sync::watch::Sender<bool>,
+    slots: Arc<Semaphore>,
+    max_connections: usize,
 }
 
 impl HttpServer {
-    /// Binds `address` (host:port) and serves the API there on this runtime.
-    pub async fn start(address: &str, api: Api, token: Option<Secret>, limits: &RequestLimits) -> anyhow::Result<Self> {
-        let listener = tokio::net::TcpListener::bind(address)
+    /// Binds `address` (host:port) and serves the API there on this runtime, under the same
+    /// limits as the gRPC port: at most `--max-connections` open connections (more wait in the
+    /// kernel's backlog), `--max-concurrent-rpcs` requests producing a response at once (more get
+    /// 503), and `--request-timeout-secs` to produce one (then 504).
+    pub async fn start(address: &str, api: Api, token: Option<Secret>, limits: &RpcLimits) -> anyhow::Result<Self> {
+        let listener = Listener::bind(&Address::Tcp(address.to_owned()))
             .await
-            .map_err(|err| anyhow::anyhow!("cannot listen on {address} for the HTTP API: {err}"))?;
-        tracing::info!(listen = %listener.local_addr()?, "HTTP API (OpenAI-compatible) listening");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let app = router(api, token, limits);
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = stopped.await;
-                })
-                .await
-        });
-        Ok(Self { task, stop: Some(stop) })
+            .map_err(|err| anyhow::anyhow!("cannot listen on {address} for the HTTP API: {err:#}"))?;
+        tracing::info!(listen = %listener.local_address()?, "HTTP API (OpenAI-compatible) listening");
+        let app = router(api, token, &limits.request).layer(axum::middleware::from_fn_with_state(
+            Arc::new(Admission { in_flight: Arc::new(Semaphore::new(limits.max_concurrent_rpcs)), timeout: limits.request_timeout }),
+            admit,
+        ));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let slots = Arc::new(Semaphore::new(limits.max_connections));
+        let task = tokio::spawn(accept_loop(listener, app, slots.clone(), stopped));
+        Ok(Self { task, stop, slots, max_connections: limits.max_connections })
     }
 
     /// Stops accepting, lets open responses finish for at most 5 s, then closes them.
-    pub async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        match tokio::time::timeout(std::time::Duration::from_secs(5), &mut self.task).await {
-            Ok(Ok(Err(err))) => tracing::error!(error = %err, "the HTTP API server failed"),
-            Ok(_) => {}
-            Err(_) => tracing::warn!("HTTP connections did not close within 5 s; closing them"),
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        let all_closed = self.slots.acquire_many(self.max_connections as u32);
+        if tokio::time::timeout(Duration::from_secs(5), all_closed).await.is_err() {
+            tracing::warn!("HTTP connections did not close within 5 s; closing them");
         }
     }
 }
 
 impl Drop for HttpServer {
     fn drop(&mut self) {
+        let _ = self.stop.send(true);
         self.task.abort();
+    }
+}
+
+/// Accepts connections (capped, backing off on errors) until stopped, and serves each over
+/// HTTP/1.1 with a header timeout. Stopping asks every open connection to finish its response
+/// and close.
+async fn accept_loop(listener: Listener, app: Router, slots: Arc<Semaphore>, mut stopped: tokio::sync::watch::Receiver<bool>) {
+    let mut backoff = AcceptBackoff::new("HTTP API");
+    loop {
+        let connection = tokio::select! {
+            connection = listener.accept(&slots, &mut backoff) => connection,
+            _ = stopped.changed() => return,
+        };
+        let (app, mut stopped) = (app.clone(), stopped.clone());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request: axum::http::Request<hyper::body::Incoming>| {
+                tower::ServiceExt::oneshot(app.clone(), request)
+            });
+            let serving = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(hyper_util::rt::TokioIo::new(connection), service);
+            tokio::pin!(serving);
+            tokio::select! {
+                _ = serving.as_mut() => {}
+                _ = stopped.changed() => {
+                    serving.as_mut().graceful_shutdown();
+                    let _ = serving.await;
+                }
+            }
+        });
+    }
+}
+
+struct Admission {
+    in_flight: Arc<Semaphore>,
+    timeout: Duration,
+}
+
+/// The gRPC port's load shedding and request timeout, for HTTP: a request waits for no slot
+/// (503 when all are taken), and must produce its response (a whole body, or the start of a
+/// stream) within the timeout.
+async fn admit(State(admission): State<Arc<Admission>>, request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let Ok(_permit) = admission.in_flight.clone().try_acquire_owned() else {
+        return HttpError::from(Error::unavailable("too many requests in flight (--max-concurrent-rpcs); retry shortly"))
+            .into_response();
+    };
+    match tokio::time::timeout(admission.timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => HttpError::from(Error::new(
+            Kind::Deadline,
+            format!("no response within {:?} (--request-timeout-secs)", admission.timeout),
+        ))
+        .into_response(),
     }
 }
 
