@@ -7,7 +7,7 @@
 //! asks for it, so a rank holds only its own slice plus one full tensor at a time.
 //!
 //! llama.cpp's converter permutes the rows of the q and k projections for its interleaved RoPE;
-//! we undo that here so the shared rotate-half RoPE of [`super::qwen3`] applies unchanged.
+//! we undo that here so the shared rotate-half RoPE of [`super::rope`] applies unchanged.
 
 use std::collections::HashMap;
 use std::fs::File;
