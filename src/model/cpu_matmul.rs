@@ -179,8 +179,10 @@ fn bf16_weights(x: &[f32], weights: &[u16], m: usize, k: usize, isa: Isa) -> Vec
             Isa::Avx2 => unsafe { x86::bf16_block::<x86::Avx2>(out, w_rows, x, m, k) },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { x86::bf16_block::<x86::Avx512>(out, w_rows, x, m, k) },
+            // Isa::available is false for the x86 paths elsewhere, so this arm is never taken;
+            // the portable path keeps it correct rather than a crash.
             #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!("no {isa:?} path on this architecture"),
+            _ => bf16_block_portable(out, w_rows, x, m, k),
         });
     transposed
 }
@@ -333,6 +335,8 @@ mod x86 {
                     (false, RW, $c) => $f::<false, RW, $c>$args,
                     (false, 1, $c) => $f::<false, 1, $c>$args,
                 )*
+                // The callers' contract (`Simd::tile`): rw is RW or 1 and rx is 1..=RX, every
+                // one of which has an arm above.
                 other => unreachable!("no tile for {other:?}"),
             }
         };
