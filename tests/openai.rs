@@ -22,26 +22,7 @@ const OPENAI_PACKAGE: &str = "openai==2.*";
 /// under target/ created once.
 fn openai_python() -> &'static str {
     static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    PYTHON.get_or_init(|| {
-        let ready = |python: &str| {
-            Command::new(python).args(["-c", "import openai"]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
-        };
-        if ready("python3") {
-            return "python3".to_owned();
-        }
-        let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-openai-venv");
-        let python = format!("{venv}/bin/python");
-        if !ready(&python) {
-            let created = Command::new("python3").args(["-m", "venv", venv]).status().expect("python3 runs");
-            assert!(created.success(), "cannot create {venv}");
-            let installed = Command::new(&python)
-                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", OPENAI_PACKAGE])
-                .status()
-                .expect("pip runs");
-            assert!(installed.success(), "cannot install {OPENAI_PACKAGE} from PyPI");
-        }
-        python
-    })
+    PYTHON.get_or_init(|| common::python_with("import openai", "test-openai-venv", &[OPENAI_PACKAGE]))
 }
 
 /// `tpserve serve` with the HTTP API on a free port.

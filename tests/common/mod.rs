@@ -434,28 +434,30 @@ pub const PYTHON_PACKAGES: [&str; 4] =
 pub fn python() -> &'static str {
     static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     PYTHON.get_or_init(|| {
-        let ready = |python: &str| {
-            Command::new(python)
-                .args(["-c", "import grpc, grpc_health.v1, grpc_reflection.v1alpha, prometheus_client"])
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        if ready("python3") {
-            return "python3".to_owned();
-        }
-        let venv = concat!(env!("CARGO_MANIFEST_DIR"), "/target/test-python-venv");
-        let python = format!("{venv}/bin/python");
-        if !ready(&python) {
-            let created = Command::new("python3").args(["-m", "venv", venv]).status().expect("python3 runs");
-            assert!(created.success(), "cannot create {venv}");
-            let installed = Command::new(&python)
-                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-                .args(PYTHON_PACKAGES)
-                .status()
-                .expect("pip runs");
-            assert!(installed.success(), "cannot install {PYTHON_PACKAGES:?} from PyPI");
-        }
-        python
+        python_with("import grpc, grpc_health.v1, grpc_reflection.v1alpha, prometheus_client", "test-python-venv", &PYTHON_PACKAGES)
     })
+}
+
+/// A Python where `probe` runs: `python3` if it does, else a virtual environment at
+/// target/`venv_name` with `packages` installed from PyPI (made once, reused by later runs).
+pub fn python_with(probe: &str, venv_name: &str, packages: &[&str]) -> String {
+    let ready = |python: &str| {
+        Command::new(python).args(["-c", probe]).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    };
+    if ready("python3") {
+        return "python3".to_owned();
+    }
+    let venv = format!("{}/target/{venv_name}", env!("CARGO_MANIFEST_DIR"));
+    let python = format!("{venv}/bin/python");
+    if !ready(&python) {
+        let created = Command::new("python3").args(["-m", "venv", &venv]).status().expect("python3 runs");
+        assert!(created.success(), "cannot create {venv}");
+        let installed = Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args(packages)
+            .status()
+            .expect("pip runs");
+        assert!(installed.success(), "cannot install {packages:?} from PyPI");
+    }
+    python
 }
