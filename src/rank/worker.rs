@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use tokio::sync::oneshot;
 
 use crate::comm::Collective;

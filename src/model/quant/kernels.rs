@@ -253,39 +253,46 @@ mod x86 {
     unsafe fn f16_at(p: *const u8) -> f32 {
         // SAFETY: the caller passes a pointer to two readable bytes; F16C is enabled by every
         // caller's target features.
-        unsafe { _cvtsh_ss(p.cast::<u16>().read_unaligned()) }
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32))) }
     }
 
     /// 32 bytes: the 16 low nibbles at `p`, then the 16 high nibbles.
     #[inline(always)]
     unsafe fn nibbles(p: *const u8) -> __m256i {
-        // SAFETY: 16 readable bytes at p (the caller's block).
-        let tmp = unsafe { _mm_loadu_si128(p.cast()) };
-        let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
-        _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+        // SAFETY: 16 readable bytes at p (the caller's block); AVX2 is enabled by every caller.
+        unsafe {
+            let tmp = _mm_loadu_si128(p.cast());
+            let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+            _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+        }
     }
 
     /// 32 bytes, 0x10 where bit j of the little-endian u32 at `p` is set (byte j), else 0.
     #[inline(always)]
     unsafe fn high_bits(p: *const u8) -> __m256i {
-        // SAFETY: 4 readable bytes at p.
-        let qh = unsafe { p.cast::<u32>().read_unaligned() } as i32;
-        let spread = _mm256_shuffle_epi8(
-            _mm256_set1_epi32(qh),
-            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
-        );
-        let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi8(-1));
-        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+        // SAFETY: 4 readable bytes at p; AVX2 is enabled by every caller.
+        unsafe {
+            let qh = p.cast::<u32>().read_unaligned() as i32;
+            let spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(qh),
+                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
+            );
+            let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi8(-1));
+            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+        }
     }
 
     /// 8 i32 sums of u8 `q` x i8 `x` products, four adjacent products each.
     #[inline(always)]
     unsafe fn dot_u8_i8<const VNNI: bool>(q: __m256i, x: __m256i) -> __m256i {
-        if VNNI {
-            _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
-        } else {
-            // u8 <= 31 (or <= 128 for Q8_0 magnitudes) times |i8| <= 127, twice: no i16 overflow.
-            _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+        // SAFETY: the caller enables AVX2, and AVX-512 VNNI + VL when VNNI.
+        unsafe {
+            if VNNI {
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
+            } else {
+                // u8 <= 31 (or <= 128 for Q8_0 magnitudes) times |i8| <= 127, twice: no i16 overflow.
+                _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+            }
         }
     }
 
@@ -342,7 +349,8 @@ mod x86 {
         };
         let blocks = act.d.len();
         assert!(row.len() >= blocks * ts && act.qs.len() >= blocks * QK);
-        let mut acc = _mm256_setzero_ps();
+        // SAFETY: AVX is enabled by every caller.
+        let mut acc = unsafe { _mm256_setzero_ps() };
         let mut offset = 0f32;
         let base = row.as_ptr();
         let xs = act.qs.as_ptr();

@@ -239,7 +239,7 @@ mod tests {
     #[test]
     fn mixed_segments_multiply_like_their_dequantized_stack() {
         let (k, m) = (256, 3);
-        let values = |n: usize, seed: u32| -> Vec<f32> { (0..n).map(|i| ((i as u32 * 2654435761u32 ^ seed) % 1000) as f32 / 500.0 - 1.0).collect() };
+        let values = |n: usize, seed: u32| -> Vec<f32> { (0..n).map(|i| (((i as u32).wrapping_mul(2654435761u32) ^ seed) % 1000) as f32 / 500.0 - 1.0).collect() };
         let a = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q4K, 5, k, values(5 * k, 1)), &Device::Cpu).unwrap();
         let b = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q6K, 3, k, values(3 * k, 2)), &Device::Cpu).unwrap();
         let c = Weight::Dense(Tensor::from_vec(values(2 * k, 3), (2, k), &Device::Cpu).unwrap());
