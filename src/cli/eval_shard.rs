@@ -46,7 +46,8 @@ pub struct EvalShardArgs {
     /// Prefill chunk size (0: whole prompt in one step)
     #[arg(long, default_value_t = 0)]
     pub chunk: usize,
-    /// f32, bf16 (on CPU: bf16 weights, f32 compute), f16, checkpoint or auto
+    /// f32, bf16 (on CPU: bf16 weights, f32 compute), f16, checkpoint, auto (a quantized GGUF
+    /// stays in its blocks), or a quantization on CPU: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, ...
     #[arg(long, default_value = "f32")]
     pub dtype: String,
     /// Token ids never chosen (EOS while it is ignored)
@@ -116,18 +117,12 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         args.init_timeout_secs,
     )?;
     let group = TpGroup::new(comm.clone());
-    let dtype = match args.dtype.as_str() {
-        "f32" => Some(DType::F32),
-        "bf16" => Some(DType::BF16),
-        "f16" => Some(DType::F16),
-        "checkpoint" => None,
-        "auto" if device.is_cpu() => Some(crate::model::cpu_auto_dtype(&args.model)),
-        "auto" => Some(DType::BF16),
-        other => bail!("unknown dtype {other}"),
-    };
+    let (dtype, quant) = crate::model::parse_load_dtype(&args.dtype, &device, &args.model).map_err(anyhow::Error::msg)?;
     let started = Instant::now();
     let options = LoadOptions { dtype, device };
-    let model = Model::load(&args.model, &group, &options, Arc::new(LoadProgress::default()))?;
+    let progress = Arc::new(LoadProgress::default());
+    let model = Model::load_quantized(&args.model, &group, &options, quant, progress.clone())?;
+    tracing::info!(formats = %progress.format_summary(), weight_bytes = model.weight_bytes(), "shard loaded");
     let load_seconds = started.elapsed().as_secs_f64();
     let mut results = Vec::new();
     let mut decode_seconds = 0.0;

@@ -149,7 +149,10 @@ pub struct CoordinatorArgs {
     #[arg(long)]
     pub listen: Address,
     /// Weight dtype: auto (GPU: bf16; CPU: a bf16 checkpoint stays bf16 where the CPU has a SIMD
-    /// bf16 kernel, else f32), checkpoint, f32, bf16 (on CPU: bf16 weights, f32 compute), f16
+    /// bf16 kernel, a quantized GGUF stays in its blocks, else f32), checkpoint, f32 (a GGUF
+    /// dequantized), bf16 (on CPU: bf16 weights, f32 compute), f16; or, on CPU, a GGUF block
+    /// format the matrices are quantized to at load time, each rank its own slice: q8_0, q4_0,
+    /// q4_1, q5_0, q5_1, q4_k, q5_k, q6_k
     #[arg(long, default_value = "auto")]
     pub dtype: String,
     #[command(flatten)]
@@ -278,7 +281,10 @@ pub struct ServeArgs {
     #[arg(long)]
     pub listen: Address,
     /// Weight dtype: auto (GPU: bf16; CPU: a bf16 checkpoint stays bf16 where the CPU has a SIMD
-    /// bf16 kernel, else f32), checkpoint, f32, bf16 (on CPU: bf16 weights, f32 compute), f16
+    /// bf16 kernel, a quantized GGUF stays in its blocks, else f32), checkpoint, f32 (a GGUF
+    /// dequantized), bf16 (on CPU: bf16 weights, f32 compute), f16; or, on CPU, a GGUF block
+    /// format the matrices are quantized to at load time, each rank its own slice: q8_0, q4_0,
+    /// q4_1, q5_0, q5_1, q4_k, q5_k, q6_k
     #[arg(long, default_value = "auto")]
     pub dtype: String,
     /// Compute threads per rank (default: cores / tp)

@@ -59,13 +59,19 @@ impl Isa {
     pub fn selected() -> Isa {
         static SELECTED: OnceLock<Isa> = OnceLock::new();
         *SELECTED.get_or_init(|| {
-            let cap = match std::env::var("TPSERVE_CPU_ISA").as_deref() {
-                Ok("portable") => Isa::Portable,
-                Ok("avx2") => Isa::Avx2,
-                _ => Isa::Avx512,
-            };
+            let cap = Isa::selected_cap();
             Isa::ALL.into_iter().filter(|isa| *isa <= cap && isa.available()).max().unwrap_or(Isa::Portable)
         })
+    }
+
+    /// The cap `TPSERVE_CPU_ISA` sets (Avx512, the highest, when unset); the quantized kernels
+    /// (`quant::kernels::Path`) read the same setting.
+    pub fn selected_cap() -> Isa {
+        match std::env::var("TPSERVE_CPU_ISA").as_deref() {
+            Ok("portable") => Isa::Portable,
+            Ok("avx2") => Isa::Avx2,
+            _ => Isa::Avx512,
+        }
     }
 
     pub fn name(self) -> &'static str {

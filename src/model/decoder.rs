@@ -111,14 +111,20 @@ impl Model {
         &self.group
     }
 
+    /// The dtype of the embedding table (bf16 for bf16-resident weights on CPU); the compute
+    /// dtype (f32) when it is held quantized.
     pub fn dtype(&self) -> DType {
-        self.embed.weight().dtype()
+        match self.embed.weight() {
+            super::quant::Weight::Dense(t) => t.dtype(),
+            super::quant::Weight::Quant(_) => self.embed.compute_dtype(),
+        }
     }
 
     pub fn weight_bytes(&self) -> usize {
-        let mut all = vec![self.embed.weight(), self.norm.weight()];
+        let mut all = self.embed.weight().tensors();
+        all.push(self.norm.weight());
         if !self.config.tie_word_embeddings {
-            all.push(self.lm_head.weight());
+            all.extend(self.lm_head.weight().tensors());
         }
         for layer in &self.layers {
             all.extend(layer.weights());
@@ -147,7 +153,7 @@ impl Model {
     /// Runs the new tokens of every sequence and returns the logits of each sampling
     /// sequence's last token, [sampling sequences, vocab] in f32, on the sampling rank.
     pub fn forward(&self, batch: &[SequenceInput<'_>], caches: &mut [&mut SequenceCache]) -> Result<Option<Tensor>> {
-        let device = self.embed.weight().device().clone();
+        let device = self.embed.weight().device();
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut last_rows = Vec::with_capacity(batch.len());

@@ -271,6 +271,24 @@ fn unpermute_rows(tensor: &Tensor, heads: usize) -> Result<Tensor> {
     Ok(tensor.reshape(split)?.transpose(1, 2)?.contiguous()?.reshape(dims)?)
 }
 
+/// For each Hugging Face row of a q/k projection, the GGUF row it is stored in: the row
+/// reordering [`unpermute_rows`] performs, for tensors kept in blocks.
+fn unpermuted_row_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
+    if heads == 0 || rows % (heads * 2) != 0 {
+        bail!("{rows} rows do not split into {heads} heads of pairs");
+    }
+    let head_dim = rows / heads;
+    let half = head_dim / 2;
+    // HF row h*hd + a*half + b holds GGUF row h*hd + 2b + a.
+    Ok((0..rows)
+        .map(|r| {
+            let (h, within) = (r / head_dim, r % head_dim);
+            let (a, b) = (within / half, within % half);
+            h * head_dim + 2 * b + a
+        })
+        .collect())
+}
+
 /// The weights of a GGUF file, dequantized tensor by tensor on request.
 pub struct GgufWeights {
     header: GgufFile,
@@ -330,6 +348,52 @@ impl GgufWeights {
         Ok(info.shape.dims().to_vec())
     }
 
+    /// The storage format of `name`.
+    pub fn ggml_dtype(&self, name: &str) -> Result<candle_core::quantized::GgmlDType> {
+        let gguf = self.gguf_name(name)?;
+        let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
+        Ok(info.ggml_dtype)
+    }
+
+    /// A rank's slice of a 2-D tensor in a supported block format, kept in blocks (see
+    /// [`super::quant::formats::slice`]); None for other formats (f32, f16: read them dense).
+    /// The q/k rows are put in Hugging Face order by reordering whole block rows.
+    pub fn quantized_slice(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        dim: usize,
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<Option<super::quant::Sliced>> {
+        let gguf = self.gguf_name(name)?;
+        let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
+        if !super::quant::formats::supported(info.ggml_dtype) {
+            return Ok(None);
+        }
+        let dims = info.shape.dims();
+        if dims != expected_shape {
+            bail!("tensor \"{name}\" has shape {dims:?} but the model config implies {expected_shape:?}");
+        }
+        let (rows, cols) = (dims[0], dims[1]);
+        let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
+        let qtensor = {
+            let mut file = self.file.lock().map_err(|_| anyhow::anyhow!("GGUF reader lock poisoned")).with_context(context)?;
+            self.header.content.tensor(&mut *file, gguf, &Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?
+        };
+        let bytes = qtensor.data().map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?;
+        let heads = if gguf.starts_with("blk.") && gguf.contains(".attn_q.") {
+            Some(self.num_heads)
+        } else if gguf.starts_with("blk.") && gguf.contains(".attn_k.") {
+            Some(self.num_kv_heads)
+        } else {
+            None
+        };
+        let order = heads.map(|heads| unpermuted_row_order(rows, heads)).transpose().with_context(context)?;
+        super::quant::formats::slice(info.ggml_dtype, rows, cols, &bytes, dim, ranges, order.as_deref())
+            .with_context(context)
+            .map(Some)
+    }
+
     /// The whole tensor in f32 on the CPU, with q/k rows in Hugging Face order.
     pub fn dequantize(&self, name: &str) -> Result<Tensor> {
         let gguf = self.gguf_name(name)?;
@@ -374,6 +438,11 @@ mod tests {
         let gguf = hf.reshape((heads, 2, hd / 2, cols)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap().reshape((heads * hd, cols)).unwrap();
         let back = unpermute_rows(&gguf, heads).unwrap();
         assert_eq!(back.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+        // the same as a row order, for tensors kept in blocks
+        let order = unpermuted_row_order(heads * hd, heads).unwrap();
+        let rows = gguf.to_vec2::<f32>().unwrap();
+        let reordered: Vec<Vec<f32>> = order.iter().map(|&r| rows[r].clone()).collect();
+        assert_eq!(reordered, hf.to_vec2::<f32>().unwrap());
         assert_ne!(gguf.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
     }
 

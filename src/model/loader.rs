@@ -15,11 +15,52 @@ use anyhow::{Context, Result, bail};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
+use super::quant::{QuantMode, Weight};
+
 /// Counters a loading rank updates as it copies its shard, read by the LoadShard progress stream.
 #[derive(Debug, Default)]
 pub struct LoadProgress {
     pub bytes: AtomicU64,
     pub tensors: AtomicU64,
+    /// resident bytes of the weights of matrix products, by the format they are held in
+    /// (`q4_1`, `q8_0`, `f32`, `bf16`)
+    pub formats: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
+}
+
+impl LoadProgress {
+    fn record(&self, weight: &Weight) {
+        let mut formats = self.formats.lock().unwrap_or_else(|p| p.into_inner());
+        // per segment: a fused weight may mix formats
+        match weight {
+            Weight::Dense(t) => {
+                *formats.entry(format!("{:?}", t.dtype()).to_lowercase()).or_default() += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+            }
+            Weight::Quant(q) => {
+                for s in &q.segments {
+                    *formats.entry(super::quant::formats::name(s.dtype).to_owned()).or_default() += s.resident_bytes() as u64;
+                }
+            }
+        }
+    }
+
+    /// The formats, most resident bytes first, each with its share: `q4_1 96.1%, f32 3.9%`.
+    pub fn format_summary(&self) -> String {
+        let formats = self.formats.lock().unwrap_or_else(|p| p.into_inner());
+        let total: u64 = formats.values().sum();
+        let mut entries: Vec<(&String, &u64)> = formats.iter().collect();
+        entries.sort_by(|a, b| b.1.cmp(a.1));
+        entries
+            .iter()
+            .map(|(name, bytes)| format!("{name} {:.1}%", **bytes as f64 * 100.0 / total.max(1) as f64))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The format holding the most bytes (`q4_1`), or None before any matrix is loaded.
+    pub fn main_format(&self) -> Option<String> {
+        let formats = self.formats.lock().unwrap_or_else(|p| p.into_inner());
+        formats.iter().max_by_key(|(_, bytes)| **bytes).map(|(name, _)| name.clone())
+    }
 }
 
 /// The safetensors files of one model directory, memory-mapped; or a GGUF file, dequantized
@@ -187,12 +228,13 @@ pub struct ShardLoader {
     device: Device,
     dtype: DType,
     matmul_dtype: DType,
+    quant: super::quant::QuantMode,
     progress: Arc<LoadProgress>,
 }
 
 impl ShardLoader {
     pub fn new(files: Arc<WeightFiles>, device: Device, dtype: DType, progress: Arc<LoadProgress>) -> Self {
-        Self { files, prefix: String::new(), device, dtype, matmul_dtype: dtype, progress }
+        Self { files, prefix: String::new(), device, dtype, matmul_dtype: dtype, quant: Default::default(), progress }
     }
 
     /// Keeps the weights of matrix products (linear layers, embedding tables, experts) in
@@ -200,6 +242,16 @@ impl ShardLoader {
     /// bf16 weights multiplied by f32 activations (see `cpu_matmul`).
     pub fn with_matmul_dtype(self, dtype: DType) -> Self {
         Self { matmul_dtype: dtype, ..self }
+    }
+
+    /// Keeps GGUF blocks resident, or quantizes every matrix, for the weights loaded through
+    /// [`Self::matmul_weight`] (CPU only; see `quant`).
+    pub fn with_quant(self, quant: super::quant::QuantMode) -> Self {
+        Self { quant, ..self }
+    }
+
+    pub fn quant(&self) -> super::quant::QuantMode {
+        self.quant
     }
 
     /// A loader for the names under `prefix.` (like candle's `VarBuilder::pp`).
@@ -260,6 +312,45 @@ impl ShardLoader {
         ranges: &[Range<usize>],
     ) -> Result<Tensor> {
         self.slice_as(name, expected_shape, dim, ranges, self.matmul_dtype)
+    }
+
+    /// [`Self::matmul_slice`] as a [`Weight`]: under a [`QuantMode`] other than Off, a 2-D
+    /// matrix on the CPU stays (or becomes) GGML blocks, each rank cutting only its own slice.
+    pub fn matmul_weight(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        dim: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<Weight> {
+        if self.device.is_cpu() && expected_shape.len() == 2 {
+            match self.quant {
+                QuantMode::Off => {}
+                QuantMode::KeepGguf => {
+                    if let Some(gguf) = &self.files.gguf {
+                        let full_name = self.full_name(name);
+                        if let Some(sliced) = gguf.quantized_slice(&full_name, expected_shape, dim, ranges)? {
+                            let weight = Weight::from_sliced(sliced, &self.device)?;
+                            self.progress.record(&weight);
+                            self.progress.bytes.fetch_add(weight.resident_bytes() as u64, Ordering::Relaxed);
+                            self.progress.tensors.fetch_add(1, Ordering::Relaxed);
+                            return Ok(weight);
+                        }
+                    }
+                }
+                QuantMode::To(format) => {
+                    let dense = self.slice_as(name, expected_shape, dim, ranges, DType::F32)?;
+                    let (rows, cols) = dense.dims2()?;
+                    let values = dense.flatten_all()?.to_vec1::<f32>()?;
+                    let weight = Weight::from_sliced(super::quant::formats::quantize_matrix(format, rows, cols, values), &self.device)?;
+                    self.progress.record(&weight);
+                    return Ok(weight);
+                }
+            }
+        }
+        let weight = Weight::Dense(self.matmul_slice(name, expected_shape, dim, ranges)?);
+        self.progress.record(&weight);
+        Ok(weight)
     }
 
     fn slice_as(

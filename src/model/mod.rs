@@ -14,6 +14,7 @@ pub mod layers;
 pub mod loader;
 pub mod moe;
 pub mod parallel;
+pub mod quant;
 pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_moe;
@@ -28,6 +29,7 @@ use candle_core::{DType, Device, Tensor};
 pub use cache::{CacheStore, SequenceCache};
 pub use config::{ModelConfig, ModelFamily};
 use loader::{LoadProgress, ShardLoader, WeightFiles};
+pub use quant::QuantMode;
 use parallel::TpGroup;
 
 /// The new tokens of one sequence in a step: `tokens` occupy positions
@@ -68,6 +70,34 @@ pub fn cpu_auto_dtype(dir: &Path) -> DType {
     }
 }
 
+/// The weights a `--dtype` value asks for: (dtype, quantization). Besides the dtypes, a GGUF
+/// block format name (`q8_0`, `q4_0`, `q4_k`, ...) quantizes every matrix to it at load time
+/// (CPU, f32 compute); `auto` on CPU keeps a quantized GGUF in its blocks.
+pub fn parse_load_dtype(text: &str, device: &Device, model_path: &Path) -> std::result::Result<(Option<DType>, QuantMode), String> {
+    if let Some(format) = quant::formats::parse(text) {
+        if !device.is_cpu() {
+            return Err(format!("dtype \"{text}\" (quantized weights) is only supported on the CPU"));
+        }
+        return Ok((Some(DType::F32), QuantMode::To(format)));
+    }
+    Ok(match text {
+        "" | "auto" if device.is_cpu() => {
+            let quant = if gguf::is_gguf(model_path) { QuantMode::KeepGguf } else { QuantMode::Off };
+            (Some(cpu_auto_dtype(model_path)), quant)
+        }
+        "" | "auto" => (Some(DType::BF16), QuantMode::Off),
+        "checkpoint" => (None, QuantMode::Off),
+        "f32" | "float32" => (Some(DType::F32), QuantMode::Off),
+        "bf16" | "bfloat16" => (Some(DType::BF16), QuantMode::Off),
+        "f16" | "float16" => (Some(DType::F16), QuantMode::Off),
+        other => {
+            return Err(format!(
+                "unknown dtype \"{other}\" (expected auto, checkpoint, f32, bf16, f16, or a quantization: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)"
+            ));
+        }
+    })
+}
+
 /// A loaded shard: every family is the one decoder of `decoder.rs` with per-layer mixers
 /// (attention or Gated DeltaNet) and feed-forwards (dense or MoE).
 pub use decoder::Model;
@@ -75,6 +105,18 @@ pub use decoder::Model;
 impl Model {
     /// Loads this rank's shard of the model in `dir`.
     pub fn load(dir: &Path, group: &TpGroup, options: &LoadOptions, progress: Arc<LoadProgress>) -> Result<Self> {
+        Self::load_quantized(dir, group, options, QuantMode::Off, progress)
+    }
+
+    /// [`Self::load`] with the weights of matrix products kept in GGUF blocks or quantized at
+    /// load time (see [`quant`]; CPU only, computing in f32).
+    pub fn load_quantized(
+        dir: &Path,
+        group: &TpGroup,
+        options: &LoadOptions,
+        quant: QuantMode,
+        progress: Arc<LoadProgress>,
+    ) -> Result<Self> {
         // A .gguf file carries its config as metadata; a directory has config.json.
         let config = if gguf::is_gguf(dir) {
             gguf::GgufFile::open(dir)?.model_config()?
@@ -87,7 +129,11 @@ impl Model {
             None => checkpoint_dtype(&files)?,
         };
         let (compute, matmul) = resident_dtypes(dtype, &options.device);
-        let loader = ShardLoader::new(files, options.device.clone(), compute, progress).with_matmul_dtype(matmul);
+        if quant != QuantMode::Off && (!options.device.is_cpu() || compute != DType::F32) {
+            anyhow::bail!("quantized weights need the CPU and f32 compute (got {:?} on {:?})", compute, options.device);
+        }
+        let loader =
+            ShardLoader::new(files, options.device.clone(), compute, progress).with_matmul_dtype(matmul).with_quant(quant);
         match config.family {
             ModelFamily::Qwen3 | ModelFamily::Llama => qwen3::load(&loader, group, &config),
             ModelFamily::Qwen3Moe => qwen3_moe::load(&loader, group, &config),

@@ -13,6 +13,7 @@ use anyhow::{Result, bail};
 use candle_core::{DType, Tensor};
 
 use super::loader::{ShardLoader, even_part};
+use super::quant::Weight;
 use crate::comm::Collective;
 
 /// The rank's place in the tensor-parallel group, and the communicator that joins it.
@@ -62,8 +63,8 @@ impl TpGroup {
 
 /// `x @ weight.T` for x of shape [tokens, in] and weight [out, in], in x's dtype (the weight
 /// may be held in another dtype: bf16 weights with f32 activations on CPU).
-fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let y = matmul_transposed(x, weight)?;
+fn linear(x: &Tensor, weight: &Weight, bias: Option<&Tensor>) -> Result<Tensor> {
+    let y = weight.matmul_t(x)?;
     Ok(match bias {
         Some(bias) => y.broadcast_add(bias)?,
         None => y,
@@ -91,7 +92,7 @@ pub struct RowSlice<'a> {
 /// A linear layer whose output features are split across ranks. Several checkpoint tensors
 /// (q, k and v; gate and up) can be fused into one weight so the rank runs one matmul.
 pub struct ColumnParallelLinear {
-    weight: Tensor, // [local_out, in]
+    weight: Weight, // [local_out, in]
     bias: Option<Tensor>,
     /// local output width of each fused part, to split the result again
     part_sizes: Vec<usize>,
@@ -111,14 +112,14 @@ impl ColumnParallelLinear {
         let mut part_sizes = Vec::with_capacity(parts.len());
         for (slice, full_rows) in parts {
             let weight_name = format!("{}.weight", slice.name);
-            weights.push(loader.matmul_slice(&weight_name, &[*full_rows, in_features], 0, &slice.rows)?);
+            weights.push(loader.matmul_weight(&weight_name, &[*full_rows, in_features], 0, &slice.rows)?);
             if with_bias {
                 let bias_name = format!("{}.bias", slice.name);
                 biases.push(loader.slice(&bias_name, &[*full_rows], 0, &slice.rows)?);
             }
             part_sizes.push(slice.rows.iter().map(|r| r.end - r.start).sum());
         }
-        let weight = Tensor::cat(&weights, 0)?;
+        let weight = Weight::cat_rows(weights)?;
         let bias = if with_bias { Some(Tensor::cat(&biases, 0)?) } else { None };
         Ok(Self { weight, bias, part_sizes })
     }
@@ -138,7 +139,7 @@ impl ColumnParallelLinear {
     }
 
     pub fn weights(&self) -> Vec<&Tensor> {
-        std::iter::once(&self.weight).chain(self.bias.as_ref()).collect()
+        self.weight.tensors().into_iter().chain(self.bias.as_ref()).collect()
     }
 
     /// [tokens, in] -> [tokens, local_out]
@@ -162,7 +163,7 @@ impl ColumnParallelLinear {
 /// A linear layer whose input features are split across ranks: each rank multiplies its slice
 /// of the activations and the partial outputs are summed with one all-reduce.
 pub struct RowParallelLinear {
-    weight: Tensor, // [out, local_in]
+    weight: Weight, // [out, local_in]
     /// added once, after the reduction
     bias: Option<Tensor>,
     group: TpGroup,
@@ -180,7 +181,7 @@ impl RowParallelLinear {
         with_bias: bool,
     ) -> Result<Self> {
         let weight =
-            loader.matmul_slice(&format!("{name}.weight"), &[out_features, in_features], 1, columns)?;
+            loader.matmul_weight(&format!("{name}.weight"), &[out_features, in_features], 1, columns)?;
         let bias = if with_bias {
             Some(loader.tensor(&format!("{name}.bias"), &[out_features])?)
         } else {
@@ -204,7 +205,7 @@ impl RowParallelLinear {
     }
 
     pub fn weights(&self) -> Vec<&Tensor> {
-        std::iter::once(&self.weight).chain(self.bias.as_ref()).collect()
+        self.weight.tensors().into_iter().chain(self.bias.as_ref()).collect()
     }
 
     /// [tokens, local_in] -> [tokens, out], summed over ranks.
@@ -221,7 +222,7 @@ impl RowParallelLinear {
 /// The embedding table split by vocabulary rows. A rank looks up the ids in its range, writes
 /// zeros for the others, and one all-reduce assembles the full embeddings.
 pub struct VocabParallelEmbedding {
-    weight: Tensor, // [local_vocab, hidden], in the matmul dtype (it may be the tied LM head)
+    weight: Weight, // [local_vocab, hidden], in the matmul dtype (it may be the tied LM head)
     /// dtype of the embeddings it returns
     compute_dtype: DType,
     vocab: Range<usize>,
@@ -240,7 +241,7 @@ impl VocabParallelEmbedding {
             bail!("vocab_size ({vocab_size}) is smaller than the tensor-parallel size {}", group.world_size);
         }
         let vocab = even_part(vocab_size, group.rank, group.world_size);
-        let weight = loader.matmul_slice(
+        let weight = loader.matmul_weight(
             &format!("{name}.weight"),
             &[vocab_size, hidden_size],
             0,
@@ -264,19 +265,19 @@ impl VocabParallelEmbedding {
                 mask.push(0f32);
             }
         }
-        let device = self.weight.device();
+        let device = &self.weight.device();
         let index = Tensor::from_vec(local_ids, ids.len(), device)?;
         let rows = if local_len == 0 {
-            Tensor::zeros((ids.len(), self.weight.dim(1)?), self.compute_dtype, device)?
+            Tensor::zeros((ids.len(), self.weight.dims2()?.1), self.compute_dtype, device)?
         } else {
-            self.weight.index_select(&index, 0)?.to_dtype(self.compute_dtype)?
+            self.weight.rows_f32(&index)?.to_dtype(self.compute_dtype)?
         };
         let mask = Tensor::from_vec(mask, (ids.len(), 1), device)?.to_dtype(rows.dtype())?;
         let local = rows.broadcast_mul(&mask)?;
         self.group.all_reduce(&local)
     }
 
-    pub fn weight(&self) -> &Tensor {
+    pub fn weight(&self) -> &Weight {
         &self.weight
     }
 
@@ -289,7 +290,7 @@ impl VocabParallelEmbedding {
 /// The output projection split by vocabulary rows. Each rank computes the logits of its slice;
 /// they are gathered to the sampling rank only, so full logits never exist anywhere else.
 pub struct ParallelLmHead {
-    weight: Tensor, // [local_vocab, hidden]
+    weight: Weight, // [local_vocab, hidden]
     group: TpGroup,
     sampling_rank: usize,
 }
@@ -303,7 +304,7 @@ impl ParallelLmHead {
         hidden_size: usize,
     ) -> Result<Self> {
         let vocab = even_part(vocab_size, group.rank, group.world_size);
-        let weight = loader.matmul_slice(&format!("{name}.weight"), &[vocab_size, hidden_size], 0, &[vocab])?;
+        let weight = loader.matmul_weight(&format!("{name}.weight"), &[vocab_size, hidden_size], 0, &[vocab])?;
         Ok(Self::from_weight(weight, group))
     }
 
@@ -312,11 +313,11 @@ impl ParallelLmHead {
         Self::from_weight(embedding.weight().clone(), group)
     }
 
-    pub fn weight(&self) -> &Tensor {
+    pub fn weight(&self) -> &Weight {
         &self.weight
     }
 
-    fn from_weight(weight: Tensor, group: &TpGroup) -> Self {
+    fn from_weight(weight: Weight, group: &TpGroup) -> Self {
         Self { weight, group: group.clone(), sampling_rank: 0 }
     }
 

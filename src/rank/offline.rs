@@ -121,3 +121,43 @@ fn broadcast_token(model: &Model, token: Option<u32>) -> Result<u32> {
     let value = group.comm.broadcast(&value, 0)?;
     Ok(value.to_vec1::<f32>()?[0] as u32)
 }
+
+/// Teacher forcing: the logits (whole vocabulary) after `prompt`, then after each token of
+/// `continuation` fed one at a time, `continuation.len() + 1` rows in all; Some on the sampling
+/// rank only. Comparing two loads of a model on the same forced tokens measures their logit
+/// difference and top-1 agreement at every step, without one divergence derailing the rest.
+pub fn teacher_forced(model: &Model, seq_id: u64, prompt: &[u32], continuation: &[u32]) -> Result<Option<Vec<Vec<f32>>>> {
+    let mut store = CacheStore::default();
+    let mut rows = Vec::with_capacity(continuation.len() + 1);
+    let mut position = 0;
+    let mut feed = |tokens: &[u32]| -> Result<Option<Vec<f32>>> {
+        let input = SequenceInput { seq_id, tokens, start_pos: position, sample: true };
+        position += tokens.len();
+        let logits = model.step(&[input], &mut store)?;
+        logits.map(|l| Ok(l.get(0)?.to_vec1::<f32>()?)).transpose()
+    };
+    let first = feed(prompt)?;
+    let Some(first) = first else {
+        for &token in continuation {
+            feed(&[token])?;
+        }
+        return Ok(None);
+    };
+    rows.push(first);
+    for &token in continuation {
+        rows.push(feed(&[token])?.context("the sampling rank returned no logits")?);
+    }
+    Ok(Some(rows))
+}
+
+/// (largest |a - b| over every row, rows whose argmax agree) of two [`teacher_forced`] runs.
+pub fn compare_rows(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, usize) {
+    let argmax = |row: &[f32]| row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0;
+    let mut diff = 0f32;
+    let mut agree = 0;
+    for (x, y) in a.iter().zip(b) {
+        diff = x.iter().zip(y).fold(diff, |d, (p, q)| d.max((p - q).abs()));
+        agree += usize::from(argmax(x) == argmax(y));
+    }
+    (diff, agree)
+}

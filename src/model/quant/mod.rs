@@ -1,0 +1,258 @@
+//! Quantized weights that stay quantized: GGML blocks resident on the CPU, multiplied by f32
+//! activations through integer kernels.
+//!
+//! - [`formats`]: the block formats, a rank's slice of a quantized tensor (whole block rows;
+//!   columns on block boundaries, else re-quantized to Q8_0, else f32), load-time quantization.
+//! - [`kernels`]: activations quantized per block to 8 bits and integer dot products, AVX-512
+//!   VNNI / AVX2 / portable, chosen in one place ([`kernels::Path::selected`]).
+//! - [`Weight`]: the weight of a linear layer, embedding or LM head, dense or quantized.
+
+pub mod formats;
+pub mod kernels;
+
+use std::sync::Arc;
+
+use anyhow::{Result, bail};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Storage, Tensor};
+
+pub use formats::Sliced;
+
+/// How a loader treats the weights of matrix products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QuantMode {
+    /// Dense, in the matmul dtype (GGUF tensors dequantized to f32): today's exact path.
+    #[default]
+    Off,
+    /// GGUF tensors in a supported block format stay in their blocks (`--dtype auto` on CPU).
+    KeepGguf,
+    /// Every matrix is quantized to this format at load time (`--quantize`), each rank its slice.
+    To(GgmlDType),
+}
+
+/// Rows of one format inside a [`QMatrix`] (the fused q/k/v of a Q4_K_M file mixes formats).
+pub struct Segment {
+    /// the block format, or F32 for a dense f32 part
+    pub dtype: GgmlDType,
+    pub rows: usize,
+    /// U8 `[rows, row_bytes]` of blocks, or F32 `[rows, cols]`
+    data: Tensor,
+}
+
+impl Segment {
+    pub fn resident_bytes(&self) -> usize {
+        self.data.elem_count() * self.data.dtype().size_in_bytes()
+    }
+}
+
+/// A `[rows, cols]` matrix held as row segments of GGML blocks.
+pub struct QMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub segments: Vec<Segment>,
+}
+
+/// The weight of a matrix product `x @ w.T`: dense (any dtype) or quantized.
+#[derive(Clone)]
+pub enum Weight {
+    Dense(Tensor),
+    Quant(Arc<QMatrix>),
+}
+
+/// Runs `f` on the bytes of a contiguous U8 CPU tensor.
+fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    let (storage, layout) = tensor.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else { bail!("quantized weights live on the CPU") };
+    let all = cpu.as_slice::<u8>()?;
+    let start = layout.start_offset();
+    Ok(f(&all[start..start + tensor.elem_count()]))
+}
+
+impl Weight {
+    /// A rank's slice as a weight: blocks stay blocks, f32 becomes a dense tensor.
+    pub fn from_sliced(sliced: Sliced, device: &Device) -> Result<Self> {
+        if !device.is_cpu() {
+            bail!("quantized weights are only supported on the CPU");
+        }
+        Ok(match sliced {
+            Sliced::Blocks { dtype, rows, cols, bytes } => {
+                let rb = formats::row_bytes(dtype, cols);
+                let data = Tensor::from_vec(bytes, (rows, rb), device)?;
+                Weight::Quant(Arc::new(QMatrix { rows, cols, segments: vec![Segment { dtype, rows, data }] }))
+            }
+            Sliced::F32 { rows, cols, values } => Weight::Dense(Tensor::from_vec(values, (rows, cols), device)?),
+        })
+    }
+
+    /// The tensors that hold it (their bytes are its resident size).
+    pub fn tensors(&self) -> Vec<&Tensor> {
+        match self {
+            Weight::Dense(t) => vec![t],
+            Weight::Quant(q) => q.segments.iter().map(|s| &s.data).collect(),
+        }
+    }
+
+    pub fn resident_bytes(&self) -> usize {
+        self.tensors().iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+
+    pub fn device(&self) -> Device {
+        match self {
+            Weight::Dense(t) => t.device().clone(),
+            Weight::Quant(_) => Device::Cpu,
+        }
+    }
+
+    /// `[rows, cols]`.
+    pub fn dims2(&self) -> Result<(usize, usize)> {
+        match self {
+            Weight::Dense(t) => Ok(t.dims2()?),
+            Weight::Quant(q) => Ok((q.rows, q.cols)),
+        }
+    }
+
+    /// The format(s) it is held in: `q4_1`, `q4_k+q6_k`, `f32`, `bf16`.
+    pub fn format(&self) -> String {
+        match self {
+            Weight::Dense(t) => format!("{:?}", t.dtype()).to_lowercase(),
+            Weight::Quant(q) => {
+                let mut names: Vec<&str> = Vec::new();
+                for s in &q.segments {
+                    let name = formats::name(s.dtype);
+                    if !names.contains(&name) {
+                        names.push(name);
+                    }
+                }
+                names.join("+")
+            }
+        }
+    }
+
+    /// Stacks the rows of `parts` (fused q/k/v, gate/up).
+    pub fn cat_rows(parts: Vec<Weight>) -> Result<Weight> {
+        if parts.len() == 1 {
+            return Ok(parts.into_iter().next().expect("one part"));
+        }
+        if parts.iter().all(|p| matches!(p, Weight::Dense(_))) {
+            let dense: Vec<Tensor> = parts.into_iter().map(|p| match p {
+                Weight::Dense(t) => t,
+                Weight::Quant(_) => unreachable!(),
+            }).collect();
+            return Ok(Weight::Dense(Tensor::cat(&dense, 0)?));
+        }
+        let cols = parts[0].dims2()?.1;
+        let mut segments: Vec<Segment> = Vec::new();
+        let mut rows = 0;
+        for part in parts {
+            let (part_rows, part_cols) = part.dims2()?;
+            if part_cols != cols {
+                bail!("cannot stack weights of {part_cols} and {cols} columns");
+            }
+            rows += part_rows;
+            let pieces: Vec<Segment> = match part {
+                Weight::Dense(t) => vec![Segment { dtype: GgmlDType::F32, rows: part_rows, data: t.to_dtype(DType::F32)? }],
+                Weight::Quant(q) => q.segments.iter().map(|s| Segment { dtype: s.dtype, rows: s.rows, data: s.data.clone() }).collect(),
+            };
+            for piece in pieces {
+                match segments.last_mut() {
+                    Some(last) if last.dtype == piece.dtype => {
+                        last.data = Tensor::cat(&[&last.data, &piece.data], 0)?;
+                        last.rows += piece.rows;
+                    }
+                    _ => segments.push(piece),
+                }
+            }
+        }
+        Ok(Weight::Quant(Arc::new(QMatrix { rows, cols, segments })))
+    }
+
+    /// `x [m, k] @ w.T` -> `[m, rows]`, in x's dtype.
+    pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Weight::Dense(w) => crate::model::parallel::matmul_transposed(x, w),
+            Weight::Quant(q) => q.matmul_t(x, kernels::Path::selected()),
+        }
+    }
+
+    /// Rows `ids` as f32 `[ids.len(), cols]` (an embedding lookup).
+    pub fn rows_f32(&self, ids: &Tensor) -> Result<Tensor> {
+        match self {
+            Weight::Dense(w) => Ok(w.index_select(ids, 0)?.to_dtype(DType::F32)?),
+            Weight::Quant(q) => {
+                let ids = ids.to_vec1::<u32>()?;
+                let mut out = vec![0f32; ids.len() * q.cols];
+                for (&id, row_out) in ids.iter().zip(out.chunks_exact_mut(q.cols)) {
+                    q.row_f32(id as usize, row_out)?;
+                }
+                Ok(Tensor::from_vec(out, (ids.len(), q.cols), &Device::Cpu)?)
+            }
+        }
+    }
+}
+
+impl QMatrix {
+    /// Dequantizes row `row` into `out`.
+    fn row_f32(&self, mut row: usize, out: &mut [f32]) -> Result<()> {
+        for s in &self.segments {
+            if row < s.rows {
+                if s.dtype == GgmlDType::F32 {
+                    out.copy_from_slice(&s.data.get(row)?.to_vec1::<f32>()?);
+                } else {
+                    let rb = formats::row_bytes(s.dtype, self.cols);
+                    with_bytes(&s.data, |bytes| formats::dequantize(s.dtype, &bytes[row * rb..(row + 1) * rb], out))?;
+                }
+                return Ok(());
+            }
+            row -= s.rows;
+        }
+        bail!("row {row} is out of range")
+    }
+
+    /// `x [m, k] @ self.T` on a given kernel path.
+    pub fn matmul_t(&self, x: &Tensor, path: kernels::Path) -> Result<Tensor> {
+        let (m, k) = x.dims2()?;
+        if k != self.cols {
+            bail!("matmul of [{m}, {k}] by a quantized weight of {} columns", self.cols);
+        }
+        let dtype = x.dtype();
+        let x32 = x.to_dtype(DType::F32)?;
+        let values = x32.flatten_all()?.to_vec1::<f32>()?;
+        let mut parts = Vec::with_capacity(self.segments.len());
+        for s in &self.segments {
+            let y = if s.dtype == GgmlDType::F32 {
+                crate::model::parallel::matmul_transposed(&x32, &s.data)?
+            } else {
+                let out = with_bytes(&s.data, |bytes| kernels::matmul(&values, m, k, s.dtype, bytes, s.rows, path))?;
+                Tensor::from_vec(out, (m, s.rows), &Device::Cpu)?
+            };
+            parts.push(y);
+        }
+        let y = if parts.len() == 1 { parts.pop().expect("one part") } else { Tensor::cat(&parts, 1)? };
+        Ok(y.to_dtype(dtype)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mixed_segments_multiply_like_their_dequantized_stack() {
+        let (k, m) = (256, 3);
+        let values = |n: usize, seed: u32| -> Vec<f32> { (0..n).map(|i| (((i as u32).wrapping_mul(2654435761u32) ^ seed) % 1000) as f32 / 500.0 - 1.0).collect() };
+        let a = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q4K, 5, k, values(5 * k, 1)), &Device::Cpu).unwrap();
+        let b = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q6K, 3, k, values(3 * k, 2)), &Device::Cpu).unwrap();
+        let c = Weight::Dense(Tensor::from_vec(values(2 * k, 3), (2, k), &Device::Cpu).unwrap());
+        let w = Weight::cat_rows(vec![a.clone(), b.clone(), a, c]).unwrap();
+        assert_eq!(w.dims2().unwrap(), (15, k));
+        assert_eq!(w.format(), "q4_k+q6_k+f32");
+        let ids = Tensor::from_vec((0..15u32).collect::<Vec<_>>(), 15, &Device::Cpu).unwrap();
+        let dense = w.rows_f32(&ids).unwrap();
+        let x = Tensor::from_vec(values(m * k, 4), (m, k), &Device::Cpu).unwrap();
+        let got = w.matmul_t(&x).unwrap().to_vec2::<f32>().unwrap();
+        let want = x.matmul(&dense.t().unwrap()).unwrap().to_vec2::<f32>().unwrap();
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!((g - w).abs() < 0.05 * (1.0 + w.abs()), "{g} vs {w}");
+        }
+    }
+}
