@@ -181,7 +181,8 @@ fn chat_greedy_matches_transformers_at_tp1_and_tp3() {
     let message = prompt["messages"][0]["content"].as_str().unwrap();
     for tp in [1, 3] {
         // `Served` resolves the model under tests/fixtures; an absolute path replaces that.
-        let server = Served::start(path.to_str().unwrap(), tp);
+        // `--dtype f32` is the exact (dequantized) path; `auto` would keep the Q4_1 blocks.
+        let server = Served::start_with(path.to_str().unwrap(), tp, &["--dtype", "f32"]);
         let output = common::tpserve()
             .args(["chat", "--server", &server.address, "--message", message])
             .args(["--json", "--temperature", "0", "--max-tokens", "32"])

@@ -6,7 +6,7 @@
 pub mod attention;
 pub mod cache;
 pub mod config;
-pub mod cpu_matmul;
+pub use tpserve_kernels::cpu_matmul;
 pub mod decoder;
 pub mod gated_delta_net;
 pub mod gguf;

@@ -1,14 +1,16 @@
 //! Quantized weights that stay quantized: GGML blocks resident on the CPU, multiplied by f32
 //! activations through integer kernels.
 //!
+//! The byte-level parts live in the `tpserve-kernels` crate (compiled optimized in every
+//! profile) and are re-exported here:
+//!
 //! - [`formats`]: the block formats, a rank's slice of a quantized tensor (whole block rows;
 //!   columns on block boundaries, else re-quantized to Q8_0, else f32), load-time quantization.
 //! - [`kernels`]: activations quantized per block to 8 bits and integer dot products, AVX-512
 //!   VNNI / AVX2 / portable, chosen in one place ([`kernels::Path::selected`]).
 //! - [`Weight`]: the weight of a linear layer, embedding or LM head, dense or quantized.
 
-pub mod formats;
-pub mod kernels;
+pub use tpserve_kernels::quant::{formats, kernels};
 
 use std::sync::Arc;
 

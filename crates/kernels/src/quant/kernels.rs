@@ -23,7 +23,7 @@ use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, B
 use rayon::prelude::*;
 
 use super::formats::{is_k_quant, row_bytes, with_blocks};
-use crate::model::cpu_matmul::Isa;
+use crate::cpu_matmul::Isa;
 
 /// Weight rows per parallel task.
 const ROWS_PER_TASK: usize = 32;

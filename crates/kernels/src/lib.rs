@@ -1,0 +1,14 @@
+//! tpserve's CPU kernels for `x @ w.T`, the products that bound decode speed on a CPU.
+//!
+//! - [`cpu_matmul`]: f32 and bf16 weights against f32 activations (AVX-512F, AVX2 + FMA,
+//!   portable), and the one place an instruction set is chosen ([`cpu_matmul::Isa`]).
+//! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
+//!   products with 8-bit activations ([`quant::kernels`]).
+//!
+//! They live in a crate of their own so that the workspace compiles them with optimizations in
+//! every profile: unoptimized SIMD intrinsics run tens of times slower, which made the tests that
+//! decode a real model through these kernels take most of CI's time. The model layer wraps them
+//! (`tpserve::model::cpu_matmul`, `tpserve::model::quant`).
+
+pub mod cpu_matmul;
+pub mod quant;
