@@ -2,6 +2,9 @@
 
     python bench_llamacpp.py decode MODEL.gguf PROMPT.json NEW THREADS   -> JSON on stdout
     python bench_llamacpp.py requantize IN.gguf OUT.gguf q8_0             (llama_model_quantize)
+    python bench_llamacpp.py reference MODEL.gguf EXPECTED.json NEW > OUT.json
+        llama.cpp's greedy ids for each prompt of a fixture's expected.json (the reference
+        tests/fixtures/smollm2_135m/llamacpp_greedy.json was made this way)
 """
 import json
 import sys
@@ -28,6 +31,31 @@ def decode(model, prompts, new, threads):
     print(json.dumps({"tokens_per_second": new / seconds, "new_ids": tokens}))
 
 
+def reference(model, expected, new):
+    import hashlib
+
+    import llama_cpp
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model, n_threads=2, n_threads_batch=2, n_ctx=1024, n_batch=512, verbose=False)
+    prompts = []
+    for prompt in json.load(open(expected))["prompts"]:
+        llm.reset()
+        llm.eval(prompt["prompt_ids"])
+        ids = []
+        for _ in range(new):
+            token = int(llm.sample(top_k=1, temp=0.0))
+            ids.append(token)
+            llm.eval([token])
+        prompts.append({"prompt_ids": prompt["prompt_ids"], "greedy_new_ids": ids})
+    print(json.dumps({
+        "made_by": "scripts/bench_llamacpp.py reference (greedy, EOS not stopping, n_threads 2)",
+        "llama_cpp_python": llama_cpp.__version__,
+        "gguf_sha256": hashlib.sha256(open(model, "rb").read()).hexdigest(),
+        "prompts": prompts,
+    }, indent=1))
+
+
 def requantize(src, dst, kind):
     import llama_cpp
 
@@ -44,5 +72,7 @@ def requantize(src, dst, kind):
 if __name__ == "__main__":
     if sys.argv[1] == "decode":
         decode(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    elif sys.argv[1] == "reference":
+        reference(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
         requantize(sys.argv[2], sys.argv[3], sys.argv[4])

@@ -51,7 +51,8 @@ fn run_group_with(name: &str, tp: usize, chunk: usize, transport: Transport, dty
     let model = common::fixture(name);
     let prompts: Vec<Vec<u32>> = common::expected(name).into_iter().map(|p| p.ids).collect();
     let env: Vec<(&str, &str)> = isa.map(|isa| ("TPSERVE_CPU_ISA", isa)).into_iter().collect();
-    let run = ShardRun { chunk, transport, env: &env, dtype: Some(dtype), ..ShardRun::new(&model, &prompts, tp) };
+    let flags = ["--dtype", dtype];
+    let run = ShardRun { chunk, transport, env: &env, flags: &flags, ..ShardRun::new(&model, &prompts, tp) };
     GroupRun { prompts: run.run() }
 }
 

@@ -1,4 +1,4 @@
-//! Load-time quantization (`--dtype q8_0|q4_0|q4_k`, CPU) of the public safetensors fixtures,
+//! Load-time quantization (`--quantize q8_0|q4_0|q4_k`, CPU) of the public safetensors fixtures,
 //! against the f32 path on the same weights: the largest logit difference and top-1 agreement
 //! at every step of a teacher-forced run over the f32 path's greedy tokens, and the same
 //! quantization through `tpserve eval-shard` at TP 2 (each rank quantizing its own slice).
@@ -77,7 +77,7 @@ fn quantized_tp2_matches_quantized_tp1() {
     let (model, _) = load(name, QuantMode::To(Q8_0));
     let prompts: Vec<Vec<u32>> = common::expected(name).into_iter().map(|p| p.ids).collect();
     let path = common::fixture(name);
-    let run = ShardRun { transport: Transport::Unix, dtype: Some("q8_0"), ..ShardRun::new(&path, &prompts, 2) };
+    let run = ShardRun { transport: Transport::Unix, flags: &["--quantize", "q8_0"], ..ShardRun::new(&path, &prompts, 2) };
     let got = run.run();
     for (i, (prompt, got)) in prompts.iter().zip(got).enumerate() {
         let want = offline::greedy(&model, 1, prompt, 16, 0, &[EOS]).unwrap().unwrap();
@@ -86,4 +86,48 @@ fn quantized_tp2_matches_quantized_tp1() {
         // Activations are quantized per rank slice at TP 2, so not bit-identical.
         assert!(diff < 0.05, "prompt {i}: {diff}");
     }
+}
+
+/// `tpserve serve --quantize q8_0` at TP 2: ModelInfo names each rank's format and resident
+/// bytes, and the streamed greedy ids equal the in-process TP 1 quantized run's (their logits
+/// agree to 1e-7 above). A bad `--quantize` fails `serve` with a message that lists the formats.
+#[test]
+fn serve_quantizes_at_load_and_reports_each_rank() {
+    use candle_core::quantized::GgmlDType::Q8_0;
+    use tpserve::proto::v1 as pb;
+    let name = "qwen3_a";
+    let server = common::Served::start_with(name, 2, &["--quantize", "q8_0"]);
+    let info = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let channel = tpserve::net::connect(&server.address.parse().unwrap(), std::time::Duration::from_secs(10)).await.unwrap();
+        let mut client = pb::generator_client::GeneratorClient::new(channel);
+        client.model_info(pb::ModelInfoRequest::default()).await.unwrap().into_inner()
+    });
+    let (reference, _) = load(name, QuantMode::Off);
+    assert_eq!(info.dtype, "q8_0", "{info:?}");
+    assert_eq!(info.shards.len(), 2, "{info:?}");
+    for (rank, shard) in info.shards.iter().enumerate() {
+        println!("{name} --quantize q8_0, rank {rank}: {} ({}), {} bytes", shard.dtype, shard.formats, shard.weight_bytes);
+        assert_eq!((shard.rank as usize, shard.dtype.as_str(), shard.formats.as_str()), (rank, "q8_0", "q8_0 100.0%"));
+        // each rank holds about half of a quarter of the f32 bytes (norms stay f32)
+        assert!(shard.weight_bytes > 0 && (shard.weight_bytes as usize) * 5 < reference.weight_bytes(), "{shard:?}");
+    }
+    assert!(server.log().contains("rank holds"), "the startup log names each rank's format");
+    let (model, _) = load(name, QuantMode::To(Q8_0));
+    for (i, prompt) in common::expected(name).iter().enumerate() {
+        let want = offline::greedy(&model, 1, &prompt.ids, 16, 0, &[EOS]).unwrap().unwrap().new_ids;
+        let (stdout, ok) = server.generate(&[
+            "--prompt-ids", &common::ids_arg(&prompt.ids), "--json", "--ignore-eos", "--temperature", "0", "--max-tokens", "16",
+        ]);
+        assert!(ok, "prompt {i}: {stdout}");
+        assert_eq!(common::parse_json_stream(&stdout).0, want, "prompt {i}");
+    }
+
+    let output = common::tpserve()
+        .args(["serve", "--model"])
+        .arg(common::fixture(name))
+        .args(["--listen", "127.0.0.1:0", "--quantize", "q9_0"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("unknown quantization \"q9_0\"") && stderr.contains("q4_k"), "{stderr}");
 }

@@ -386,6 +386,7 @@ fn admin_load(address: &str, model_id: &str, path: &Path) {
             model_id: model_id.to_owned(),
             path: path.display().to_string(),
             dtype: String::new(),
+            quantize: String::new(),
         });
         let bearer = format!("Bearer {ADMIN_TOKEN}").parse().unwrap();
         request.metadata_mut().insert("authorization", bearer);

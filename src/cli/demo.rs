@@ -9,6 +9,7 @@ use anyhow::{Context, Result};
 use super::SchedulerArgs;
 use super::client::{consume_stream, wait_until_serving};
 use super::serve::{LocalCluster, RankSettings, ServerSettings};
+use crate::coordinator::WeightFormat;
 use crate::net::{self, Address};
 use crate::proto::v1 as pb;
 use crate::proto::v1::generator_client::GeneratorClient;
@@ -52,7 +53,7 @@ pub async fn run() -> Result<ExitCode> {
         load_timeout_secs: 600,
     };
     let ranks = RankSettings { log_filter: Some("error".to_owned()), ..RankSettings::default() };
-    let cluster = LocalCluster::start(&model_dir, TP, "f32", ranks, &scheduler, ServerSettings::default(), listen.clone()).await?;
+    let cluster = LocalCluster::start(&model_dir, TP, WeightFormat { dtype: "f32".into(), quantize: String::new() }, ranks, &scheduler, ServerSettings::default(), listen.clone()).await?;
     let outcome = generate_once(&listen).await;
     cluster.shutdown().await?;
     let summary = outcome?;

@@ -46,10 +46,14 @@ pub struct EvalShardArgs {
     /// Prefill chunk size (0: whole prompt in one step)
     #[arg(long, default_value_t = 0)]
     pub chunk: usize,
-    /// f32, bf16 (on CPU: bf16 weights, f32 compute), f16, checkpoint, auto (a quantized GGUF
-    /// stays in its blocks), or a quantization on CPU: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, ...
+    /// f32, bf16 (on CPU: bf16 weights, f32 compute), f16, checkpoint, or auto (a quantized
+    /// GGUF stays in its blocks)
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// Quantize every matrix at load time to a GGUF block format (CPU): q8_0, q4_0, q4_1,
+    /// q5_0, q5_1, q4_k, q5_k, q6_k; none keeps the dtype
+    #[arg(long, default_value = "none")]
+    pub quantize: String,
     /// Token ids never chosen (EOS while it is ignored)
     #[arg(long, value_delimiter = ',')]
     pub suppress: Vec<u32>,
@@ -117,7 +121,7 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         args.init_timeout_secs,
     )?;
     let group = TpGroup::new(comm.clone());
-    let (dtype, quant) = crate::model::parse_load_dtype(&args.dtype, &device, &args.model).map_err(anyhow::Error::msg)?;
+    let (dtype, quant) = crate::model::parse_load_dtype(&args.dtype, &args.quantize, &device, &args.model).map_err(anyhow::Error::msg)?;
     let started = Instant::now();
     let options = LoadOptions { dtype, device };
     let progress = Arc::new(LoadProgress::default());

@@ -13,7 +13,7 @@ use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
 
 use crate::auth::{ADMIN_TOKEN_ENV, API_TOKEN_ENV, CLUSTER_TOKEN_ENV, Secret, load_token};
-use crate::coordinator::{CoordinatorOptions, Tokens};
+use crate::coordinator::{CoordinatorOptions, Tokens, WeightFormat};
 use crate::coordinator::engine::SchedulerConfig;
 use crate::coordinator::service::RpcLimits;
 use crate::coordinator::stop::StopLimits;
@@ -148,13 +148,8 @@ pub struct CoordinatorArgs {
     /// Address to serve the public API on
     #[arg(long)]
     pub listen: Address,
-    /// Weight dtype: auto (GPU: bf16; CPU: a bf16 checkpoint stays bf16 where the CPU has a SIMD
-    /// bf16 kernel, a quantized GGUF stays in its blocks, else f32), checkpoint, f32 (a GGUF
-    /// dequantized), bf16 (on CPU: bf16 weights, f32 compute), f16; or, on CPU, a GGUF block
-    /// format the matrices are quantized to at load time, each rank its own slice: q8_0, q4_0,
-    /// q4_1, q5_0, q5_1, q4_k, q5_k, q6_k
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    #[command(flatten)]
+    pub weights: WeightArgs,
     #[command(flatten)]
     pub scheduler: SchedulerArgs,
     /// Seconds to wait for the ranks to appear
@@ -280,13 +275,8 @@ pub struct ServeArgs {
     /// Address to serve the public API on
     #[arg(long)]
     pub listen: Address,
-    /// Weight dtype: auto (GPU: bf16; CPU: a bf16 checkpoint stays bf16 where the CPU has a SIMD
-    /// bf16 kernel, a quantized GGUF stays in its blocks, else f32), checkpoint, f32 (a GGUF
-    /// dequantized), bf16 (on CPU: bf16 weights, f32 compute), f16; or, on CPU, a GGUF block
-    /// format the matrices are quantized to at load time, each rank its own slice: q8_0, q4_0,
-    /// q4_1, q5_0, q5_1, q4_k, q5_k, q6_k
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    #[command(flatten)]
+    pub weights: WeightArgs,
     /// Compute threads per rank (default: cores / tp)
     #[arg(long)]
     pub threads: Option<usize>,
@@ -315,7 +305,7 @@ impl CoordinatorArgs {
             ranks: self.ranks.clone(),
             model: self.model.clone(),
             model_id: self.model_id.clone(),
-            dtype: self.dtype.clone(),
+            weights: self.weights.format()?,
             listen: self.listen.clone(),
             scheduler: self.scheduler.config()?,
             limits: self.scheduler.limits()?,
@@ -381,5 +371,32 @@ pub async fn run(cli: Cli) -> Result<std::process::ExitCode> {
             collective_bench::run(args)?;
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// How the ranks hold the weights (`serve`, `coordinator`).
+#[derive(Args, Debug, Clone)]
+pub struct WeightArgs {
+    /// Weight dtype: auto (GPU: bf16; CPU: a bf16 checkpoint stays bf16 where the CPU has a SIMD
+    /// bf16 kernel, a quantized GGUF stays in its blocks, else f32), checkpoint, f32 (a GGUF
+    /// dequantized: the exact path), bf16 (on CPU: bf16 weights, f32 compute), f16
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// Quantize every matrix at load time to a GGUF block format, each rank its own slice, and
+    /// multiply through integer kernels (CPU; dtype auto or f32): q8_0, q4_0, q4_1, q5_0, q5_1,
+    /// q4_k, q5_k, q6_k; none keeps the dtype
+    #[arg(long, default_value = "none")]
+    pub quantize: String,
+}
+
+impl WeightArgs {
+    /// The format to send the ranks; an unknown `--quantize` is refused here, before any rank
+    /// starts (the ranks check the combination with the device and the checkpoint).
+    pub fn format(&self) -> Result<WeightFormat> {
+        let quantize = self.quantize.as_str();
+        if !matches!(quantize, "" | "none") && crate::model::quant::formats::parse(quantize).is_none() {
+            bail!("unknown quantization \"{quantize}\" (expected none, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k)");
+        }
+        Ok(WeightFormat { dtype: self.dtype.clone(), quantize: self.quantize.clone() })
     }
 }

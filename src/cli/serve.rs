@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use super::{RankArgs, SchedulerArgs, ServeArgs, available_cores};
 use crate::auth::{CLUSTER_TOKEN_ENV, Secret, load_token};
-use crate::coordinator::{self, CoordinatorOptions, Tokens};
+use crate::coordinator::{self, CoordinatorOptions, Tokens, WeightFormat};
 use crate::net::Address;
 use crate::rank::server::{RankOptions, run as run_rank_server};
 
@@ -88,7 +88,7 @@ pub async fn run_serve(args: ServeArgs, otlp_endpoint: Option<String>) -> Result
         metrics_listen: args.metrics_listen.clone(),
         http_listen: args.http_listen.clone(),
     };
-    let cluster = LocalCluster::start(&args.model, args.tp, &args.dtype, ranks, &args.scheduler, server, args.listen.clone()).await?;
+    let cluster = LocalCluster::start(&args.model, args.tp, args.weights.format()?, ranks, &args.scheduler, server, args.listen.clone()).await?;
     super::termination_signal().await;
     tracing::info!("stopping");
     cluster.shutdown().await
@@ -135,7 +135,7 @@ impl LocalCluster {
     pub async fn start(
         model: &Path,
         tp: usize,
-        dtype: &str,
+        weights: WeightFormat,
         settings: RankSettings,
         scheduler: &SchedulerArgs,
         server: ServerSettings,
@@ -185,7 +185,7 @@ impl LocalCluster {
             ranks,
             model: absolute(model)?,
             model_id: None,
-            dtype: dtype.to_owned(),
+            weights,
             listen: listen.clone(),
             scheduler: scheduler.config()?,
             limits: scheduler.limits()?,

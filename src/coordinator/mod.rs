@@ -33,6 +33,7 @@ use crate::proto::v1 as pb;
 use chat_template::ChatTemplate;
 use error::{Error, Kind};
 use engine::{Engine, ModelStats, NewRequest, SchedulerConfig};
+pub use ranks::WeightFormat;
 use ranks::{RankFailure, RankSet, StepError};
 
 /// Health service names that follow readiness (grpc.health.v1): NOT_SERVING until every rank is
@@ -45,7 +46,7 @@ pub struct CoordinatorOptions {
     pub ranks: Vec<Address>,
     pub model: PathBuf,
     pub model_id: Option<String>,
-    pub dtype: String,
+    pub weights: WeightFormat,
     pub listen: Address,
     pub scheduler: SchedulerConfig,
     pub limits: service::RpcLimits,
@@ -93,6 +94,8 @@ pub struct ModelHandle {
     pub max_context: usize,
     /// KV cache tokens every rank can hold (the smallest rank's capacity)
     pub kv_capacity_tokens: usize,
+    /// what each rank holds (ModelInfo)
+    pub shards: Vec<pb::ShardWeights>,
     /// most requests waiting for admission before new ones are refused
     pub max_waiting: usize,
     pub stats: Arc<ModelStats>,
@@ -101,6 +104,10 @@ pub struct ModelHandle {
     pub submit: mpsc::Sender<NewRequest>,
     /// set when the model is being unloaded: its step loop cancels its requests and ends
     pub unloading: watch::Sender<bool>,
+}
+
+fn shard_weights(rank: usize, shard: &rank_pb::ShardInfo) -> pb::ShardWeights {
+    pb::ShardWeights { rank: rank as u32, dtype: shard.dtype.clone(), formats: shard.formats.clone(), weight_bytes: shard.weight_bytes }
 }
 
 impl ModelHandle {
@@ -126,6 +133,7 @@ impl ModelHandle {
             steps_total: stats.steps_total.load(Ordering::Relaxed),
             step_overhead_us_p50: overhead.0,
             step_overhead_us_p99: overhead.1,
+            shards: self.shards.clone(),
         }
     }
 }
@@ -145,8 +153,8 @@ pub struct Supervisor {
     /// how long one recovery may take before in-flight requests are failed
     recovery_timeout: Duration,
     load_timeout: Duration,
-    /// (model id, path, dtype) of every loaded model, to reload after recovery
-    loaded: Mutex<Vec<(String, String, String)>>,
+    /// (model id, path, weight format) of every loaded model, to reload after recovery
+    loaded: Mutex<Vec<(String, String, WeightFormat)>>,
     /// set on SIGTERM: no new requests, health NOT_SERVING
     draining: AtomicBool,
 }
@@ -231,9 +239,9 @@ impl Supervisor {
         self.ranks.bootstrap(epoch, init_timeout).await
     }
 
-    async fn load(&self, model_id: &str, path: &str, dtype: &str) -> Result<rank_pb::ShardInfo, Error> {
+    async fn load(&self, model_id: &str, path: &str, weights: &WeightFormat) -> Result<Vec<rank_pb::ShardInfo>, Error> {
         let _guard = self.step_lock.lock().await;
-        let info = match self.ranks.load(model_id, path, dtype, self.epoch(), self.load_timeout).await {
+        let info = match self.ranks.load(model_id, path, weights, self.epoch(), self.load_timeout).await {
             Ok(info) => info,
             Err(err) => {
                 // Ranks that did load it must not keep a model the coordinator does not serve.
@@ -245,7 +253,7 @@ impl Supervisor {
         };
         let mut loaded = self.loaded.lock().await;
         loaded.retain(|(id, _, _)| id != model_id);
-        loaded.push((model_id.to_owned(), path.to_owned(), dtype.to_owned()));
+        loaded.push((model_id.to_owned(), path.to_owned(), weights.clone()));
         Ok(info)
     }
 
@@ -321,9 +329,9 @@ impl Supervisor {
         // Short per attempt: a rank that is hung now may be back for the next attempt.
         self.bootstrap(self.init_timeout.min(Duration::from_secs(15))).await?;
         let models = self.loaded.lock().await.clone();
-        for (id, path, dtype) in models {
+        for (id, path, weights) in models {
             let _guard = self.step_lock.lock().await;
-            self.ranks.load(&id, &path, &dtype, self.epoch(), self.load_timeout).await?;
+            self.ranks.load(&id, &path, &weights, self.epoch(), self.load_timeout).await?;
         }
         Ok(())
     }
@@ -350,7 +358,7 @@ impl Coordinator {
     }
 
     /// Loads a model on every rank and starts its step loop.
-    pub async fn load_model(&self, id: &str, path: &Path, dtype: &str) -> Result<Arc<ModelHandle>, Error> {
+    pub async fn load_model(&self, id: &str, path: &Path, weights: &WeightFormat) -> Result<Arc<ModelHandle>, Error> {
         let _admin = self.admin.lock().await;
         if self.models.read().await.contains_key(id) {
             return Err(Error::new(Kind::AlreadyExists, format!("model \"{id}\" is already loaded")));
@@ -363,14 +371,18 @@ impl Coordinator {
                 .map_err(|err| Error::invalid(format!("cannot load model: {err:#}")))?
         };
         let path_text = path.to_str().ok_or_else(|| Error::invalid("the model path is not valid UTF-8"))?;
-        let info = self.supervisor.load(id, path_text, dtype).await?;
+        let shards = self.supervisor.load(id, path_text, weights).await?;
+        let info = shards.first().ok_or_else(|| Error::internal("no ranks"))?;
+        // The group can only hold what its smallest rank can.
+        let kv_capacity_tokens = shards.iter().map(|s| s.kv_capacity_tokens).min().unwrap_or(0);
         let (submit, requests) = mpsc::channel(1024);
         let handle = Arc::new(ModelHandle {
             id: id.to_owned(),
             path: path.to_owned(),
             dtype: info.dtype.clone(),
             max_context: local.config.max_position_embeddings,
-            kv_capacity_tokens: info.kv_capacity_tokens as usize,
+            kv_capacity_tokens: kv_capacity_tokens as usize,
+            shards: shards.iter().enumerate().map(|(rank, s)| shard_weights(rank, s)).collect(),
             max_waiting: self.scheduler.max_waiting,
             config: local.config,
             tokenizer: local.tokenizer,
@@ -388,7 +400,10 @@ impl Coordinator {
         if default.is_none() {
             *default = Some(id.to_owned());
         }
-        tracing::info!(model = id, path = %path.display(), dtype = %info.dtype, kv_capacity_tokens = info.kv_capacity_tokens, "model ready");
+        for (rank, shard) in shards.iter().enumerate() {
+            tracing::info!(model = id, rank, dtype = %shard.dtype, formats = %shard.formats, weight_bytes = shard.weight_bytes, "rank holds");
+        }
+        tracing::info!(model = id, path = %path.display(), dtype = %handle.dtype, kv_capacity_tokens, "model ready");
         Ok(handle)
     }
 
@@ -556,7 +571,7 @@ pub async fn run_until(options: CoordinatorOptions, stop: impl std::future::Futu
             admin: Mutex::new(()),
         });
         let model_id = options.model_id.clone().unwrap_or_else(|| default_model_id(&options.model));
-        coordinator.load_model(&model_id, &options.model, &options.dtype).await?;
+        coordinator.load_model(&model_id, &options.model, &options.weights).await?;
         supervisor.set_group_ok(true).await;
         tokio::spawn(supervisor.clone().watch_ranks());
         anyhow::Ok(coordinator)

@@ -24,6 +24,13 @@ const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 type Client = RankClient<InterceptedService<Channel, AttachToken>>;
 
+/// How the ranks hold a model's weights: `--dtype` and `--quantize`, sent in LoadShard.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WeightFormat {
+    pub dtype: String,
+    pub quantize: String,
+}
+
 #[derive(Clone)]
 pub struct RankSet {
     addresses: Vec<Address>,
@@ -112,15 +119,16 @@ impl RankSet {
         Ok(())
     }
 
-    /// Loads a model on every rank, logging the slowest rank's progress.
+    /// Loads a model on every rank, logging the slowest rank's progress. Returns every rank's
+    /// shard, in rank order.
     pub async fn load(
         &self,
         model_id: &str,
         path: &str,
-        dtype: &str,
+        weights: &WeightFormat,
         epoch: u64,
         load_timeout: Duration,
-    ) -> Result<pb::ShardInfo, Error> {
+    ) -> Result<Vec<pb::ShardInfo>, Error> {
         let progress = Arc::new(LoadMeter::new(self.world_size()));
         let reporter = tokio::spawn(progress.clone().report(path.to_owned()));
         let lost = |message: String| Error::new(Kind::RankUnavailable, format!("loading {path}: {message}"));
@@ -130,8 +138,9 @@ impl RankSet {
             let request = pb::LoadShardRequest {
                 model_id: model_id.to_owned(),
                 model_path: path.to_owned(),
-                dtype: dtype.to_owned(),
+                dtype: weights.dtype.clone(),
                 epoch,
+                quantize: weights.quantize.clone(),
             };
             // A rank reports progress every 250 ms while it loads: silence means it is stuck or
             // gone, however long the whole load may take. A rank that cannot load the files
@@ -160,12 +169,7 @@ impl RankSet {
         };
         reporter.abort();
         progress.finish(result.is_ok());
-        let infos = result?;
-        // The group can only hold what its smallest rank can.
-        let capacity = infos.iter().map(|i| i.kv_capacity_tokens).min().unwrap_or(0);
-        let mut first = infos.into_iter().next().ok_or_else(|| Error::internal("no ranks"))?;
-        first.kv_capacity_tokens = capacity;
-        Ok(first)
+        result
     }
 
     /// One step on every rank; returns rank 0's answer (the sampled tokens). Every rank's reply

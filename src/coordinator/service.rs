@@ -9,6 +9,7 @@ use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use super::WeightFormat;
 use super::error::{Error, Kind};
 use super::stream::ClientStream;
 use super::validation::{RequestLimits, Validator};
@@ -261,7 +262,8 @@ impl Admin for AdminService {
             return Err(Error::new(Kind::AlreadyExists, format!("model \"{}\" is already loaded", request.model_id)).into());
         }
         let dtype = if request.dtype.is_empty() { "auto" } else { &request.dtype };
-        let handle = coordinator.load_model(&request.model_id, std::path::Path::new(&request.path), dtype).await?;
+        let weights = WeightFormat { dtype: dtype.to_owned(), quantize: request.quantize.clone() };
+        let handle = coordinator.load_model(&request.model_id, std::path::Path::new(&request.path), &weights).await?;
         Ok(Response::new(pb::LoadModelResponse { model: Some(handle.info(coordinator.supervisor.tp_size())) }))
     }
 

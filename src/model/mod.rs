@@ -70,17 +70,35 @@ pub fn cpu_auto_dtype(dir: &Path) -> DType {
     }
 }
 
-/// The weights a `--dtype` value asks for: (dtype, quantization). Besides the dtypes, a GGUF
-/// block format name (`q8_0`, `q4_0`, `q4_k`, ...) quantizes every matrix to it at load time
-/// (CPU, f32 compute); `auto` on CPU keeps a quantized GGUF in its blocks.
-pub fn parse_load_dtype(text: &str, device: &Device, model_path: &Path) -> std::result::Result<(Option<DType>, QuantMode), String> {
-    if let Some(format) = quant::formats::parse(text) {
-        if !device.is_cpu() {
-            return Err(format!("dtype \"{text}\" (quantized weights) is only supported on the CPU"));
+/// The weights `--dtype` and `--quantize` ask for: (dtype, quantization).
+///
+/// `quantize` is empty (or `none`) or a GGUF block format name (`q8_0`, `q4_0`, `q4_k`, ...):
+/// every matrix is quantized to it at load time, each rank its own slice, and computed in f32
+/// (CPU only). Without it, `auto` on CPU keeps a quantized GGUF in its blocks.
+pub fn parse_load_dtype(
+    dtype: &str,
+    quantize: &str,
+    device: &Device,
+    model_path: &Path,
+) -> std::result::Result<(Option<DType>, QuantMode), String> {
+    match quantize {
+        "" | "none" => {}
+        text => {
+            let Some(format) = quant::formats::parse(text) else {
+                return Err(format!(
+                    "unknown quantization \"{text}\" (expected none, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k)"
+                ));
+            };
+            if !device.is_cpu() {
+                return Err(format!("--quantize {text}: quantized weights are only supported on the CPU"));
+            }
+            if !matches!(dtype, "" | "auto" | "f32" | "float32") {
+                return Err(format!("--quantize {text} computes in f32: leave --dtype at auto or f32 (got \"{dtype}\")"));
+            }
+            return Ok((Some(DType::F32), QuantMode::To(format)));
         }
-        return Ok((Some(DType::F32), QuantMode::To(format)));
     }
-    Ok(match text {
+    Ok(match dtype {
         "" | "auto" if device.is_cpu() => {
             let quant = if gguf::is_gguf(model_path) { QuantMode::KeepGguf } else { QuantMode::Off };
             (Some(cpu_auto_dtype(model_path)), quant)
@@ -90,11 +108,10 @@ pub fn parse_load_dtype(text: &str, device: &Device, model_path: &Path) -> std::
         "f32" | "float32" => (Some(DType::F32), QuantMode::Off),
         "bf16" | "bfloat16" => (Some(DType::BF16), QuantMode::Off),
         "f16" | "float16" => (Some(DType::F16), QuantMode::Off),
-        other => {
-            return Err(format!(
-                "unknown dtype \"{other}\" (expected auto, checkpoint, f32, bf16, f16, or a quantization: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k)"
-            ));
+        other if quant::formats::parse(other).is_some() => {
+            return Err(format!("\"{other}\" is a quantization: use --quantize {other} (with --dtype auto or f32)"));
         }
+        other => return Err(format!("unknown dtype \"{other}\" (expected auto, checkpoint, f32, bf16 or f16)")),
     })
 }
 

@@ -269,7 +269,7 @@ impl Worker {
         if request.model_id.is_empty() {
             return Err(Error::invalid("model_id must not be empty"));
         }
-        let (dtype, quant) = crate::model::parse_load_dtype(&request.dtype, &self.config.device, Path::new(&request.model_path))
+        let (dtype, quant) = crate::model::parse_load_dtype(&request.dtype, &request.quantize, &self.config.device, Path::new(&request.model_path))
             .map_err(Error::invalid)?;
         let options = LoadOptions { dtype, device: self.config.device.clone() };
         let path = PathBuf::from(&request.model_path);
@@ -284,6 +284,7 @@ impl Worker {
                 info.dtype = format;
             }
         }
+        info.formats = progress.format_summary();
         info.kv_capacity_tokens = self.kv_capacity_tokens(info.kv_bytes_per_token, group.world_size);
         tracing::info!(model = %request.model_id, path = %path.display(), dtype = %info.dtype, formats = %progress.format_summary(), weight_bytes = info.weight_bytes, kernels = crate::model::quant::kernels::Path::selected().name(), elapsed = ?started.elapsed(), "shard loaded");
         // Replacing a model drops its old caches with it.
@@ -533,6 +534,7 @@ fn shard_info(model: &Model) -> pb::ShardInfo {
         weight_bytes: model.weight_bytes() as u64,
         kv_bytes_per_token: model.kv_bytes_per_token() as u64,
         kv_capacity_tokens: 0,
+        formats: String::new(),
     }
 }
 

@@ -243,13 +243,13 @@ pub struct ShardRun<'a> {
     pub transport: Transport,
     /// extra environment for every rank process
     pub env: &'a [(&'a str, &'a str)],
-    /// `--dtype` for every rank (None: eval-shard's default)
-    pub dtype: Option<&'a str>,
+    /// extra eval-shard flags for every rank (`--dtype bf16`, `--quantize q8_0`)
+    pub flags: &'a [&'a str],
 }
 
 impl<'a> ShardRun<'a> {
     pub fn new(model: &'a std::path::Path, prompts: &'a [Vec<u32>], tp: usize) -> Self {
-        Self { model, prompts, tp, chunk: 0, transport: Transport::Unix, env: &[], dtype: None }
+        Self { model, prompts, tp, chunk: 0, transport: Transport::Unix, env: &[], flags: &[] }
     }
 
     /// Runs the group as `tp` separate OS processes joined by the CPU socket backend (greedy,
@@ -273,9 +273,7 @@ impl<'a> ShardRun<'a> {
             command.arg("--prompts").arg(&prompts_file);
             command.args(["--chunk", &self.chunk.to_string(), "--suppress", "2", "--threads", "1"]);
             command.args(["--init-timeout-secs", "60"]);
-            if let Some(dtype) = self.dtype {
-                command.args(["--dtype", dtype]);
-            }
+            command.args(self.flags);
             command.envs(self.env.iter().copied());
             if rank == 0 {
                 command.arg("--out").arg(&out);
