@@ -14,6 +14,7 @@ use std::ops::Range;
 use std::sync::Mutex;
 
 use anyhow::{Result, bail};
+use rayon::prelude::*;
 use candle_core::quantized::GgmlDType;
 use candle_core::quantized::k_quants::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, GgmlType,
@@ -242,10 +243,21 @@ pub fn quantize_matrix(dtype: GgmlDType, rows: usize, cols: usize, values: Vec<f
         log_once(format!("matrices with rows of {cols} values (not whole q8_0 blocks) stay f32"));
         return Sliced::F32 { rows, cols, values };
     };
-    let mut out = Vec::with_capacity(rows * row_bytes(target, cols));
-    for row in values.chunks_exact(cols) {
-        quantize_into(target, row, &mut out);
+    // Rows are independent: quantize them across the rayon pool (a rank's load-time
+    // quantization is bound by this loop).
+    let rb = row_bytes(target, cols);
+    let mut out = vec![0u8; rows * rb];
+    if rb == 0 {
+        return Sliced::Blocks { dtype: target, rows, cols, bytes: out };
     }
+    out.par_chunks_mut(rb).zip(values.par_chunks(cols)).for_each_init(
+        || Vec::with_capacity(rb),
+        |scratch, (dst, row)| {
+            scratch.clear();
+            quantize_into(target, row, scratch);
+            dst.copy_from_slice(scratch);
+        },
+    );
     Sliced::Blocks { dtype: target, rows, cols, bytes: out }
 }
 
