@@ -230,7 +230,7 @@ async fn chat_and_stop_sequences() {
     let server = common::Served::start("qwen3_a", 1);
     let mut client = GeneratorClient::new(channel(&server.address).await);
     let request = pb::ChatRequest {
-        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello there".into() }],
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello there".into(), ..Default::default() }],
         params: Some(pb::GenerationParams { max_tokens: Some(8), temperature: Some(0.0), ignore_eos: true, ..Default::default() }),
         ..Default::default()
     };
@@ -263,4 +263,24 @@ async fn chat_and_stop_sequences() {
     }
     assert_eq!(reason, pb::FinishReason::StopSequence as i32, "text {text:?}");
     assert!(!text.contains("iv"), "{text:?}");
+}
+
+/// ignore_eos as vLLM means it: EOS does not end the sequence but is not suppressed, so the
+/// model's distribution is untouched. Suppressing EOS would renormalise the others and move every
+/// logprob by -ln(1 - p(EOS)); here they are exactly those of the same request without ignore_eos.
+#[tokio::test(flavor = "multi_thread")]
+async fn ignore_eos_does_not_suppress_eos() {
+    let server = common::Served::start("qwen3_a", 1);
+    let mut client = GeneratorClient::new(channel(&server.address).await);
+    let expected = &common::expected("qwen3_a")[0];
+    let mut first = Vec::new();
+    for ignore_eos in [false, true] {
+        let params = pb::GenerationParams { ignore_eos, logprobs: true, top_logprobs: 20, ..greedy(Some(1)) };
+        let request = pb::GenerateRequest { prompt_ids: expected.ids.clone(), params: Some(params), ..Default::default() };
+        let message = client.generate(request).await.unwrap().into_inner().message().await.unwrap().unwrap();
+        let top: Vec<(u32, f32)> = message.top_logprobs.iter().map(|t| (t.token_id, t.logprob)).collect();
+        assert_eq!(top.len(), 20);
+        first.push((message.token_id, message.logprob, top));
+    }
+    assert_eq!(first[0], first[1]);
 }

@@ -156,7 +156,7 @@ fn chat_template_from_metadata_renders_the_reference_prompt() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| ChatMessage { role: m["role"].as_str().unwrap().into(), content: m["content"].as_str().unwrap().into() })
+        .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
         .collect();
     let text = template.render(&messages, true).unwrap();
     assert_eq!(text, prompt["prompt_text"].as_str().unwrap());
