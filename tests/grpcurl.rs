@@ -98,6 +98,14 @@ fn assert_authority_refused(address: &str) {
     assert!(stderr.contains("PROTOCOL_ERROR"), "{stderr}");
 }
 
+/// `tpserve health --help` shows grpcurl's working form over a Unix socket.
+#[test]
+fn health_help_shows_the_authority_flag() {
+    let output = common::tpserve().args(["health", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&output.stdout);
+    assert!(help.contains("-unix -authority localhost"), "{help}");
+}
+
 #[test]
 fn grpcurl_against_the_coordinator_over_tcp() {
     let address = format!("127.0.0.1:{}", common::free_port());
