@@ -65,3 +65,41 @@ pub fn to_proto(call: &tools::Call) -> pb::ToolCall {
         function: Some(pb::FunctionCall { name: call.name.clone(), arguments: call.arguments.clone() }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use futures::StreamExt;
+
+    use super::*;
+    use crate::coordinator::stream::channel;
+
+    fn message(text: &str, finish: pb::FinishReason) -> pb::GenerateResponse {
+        pb::GenerateResponse { text: text.to_owned(), finish_reason: finish as i32, ..Default::default() }
+    }
+
+    /// Two choices on one stream: each message tagged with its choice, the raw text passed on,
+    /// and with tool choice auto the last message of the choice that called a tool carries the
+    /// call and the finish reason TOOL_CALLS; the other keeps its own.
+    #[tokio::test]
+    async fn choices_are_tagged_and_calls_attached() {
+        let (mut calls, calls_stream) = channel(8);
+        let (mut plain, plain_stream) = channel(8);
+        calls.push(message("<tool_call>\n{\"name\": \"f\", ", pb::FinishReason::Unspecified));
+        calls.push(message("\"arguments\": {\"x\": 1}}\n</tool_call>", pb::FinishReason::Unspecified));
+        calls.end(Ok(message("", pb::FinishReason::Eos)));
+        plain.push(message("hello", pb::FinishReason::Unspecified));
+        plain.end(Ok(message("", pb::FinishReason::Length)));
+        let merged: Vec<pb::GenerateResponse> =
+            merge(vec![calls_stream, plain_stream], ToolChoice::Auto).map(Result::unwrap).collect().await;
+        let of = |index: u32| merged.iter().filter(move |m| m.index == index).collect::<Vec<_>>();
+        let (first, second) = (of(0), of(1));
+        assert_eq!((first.len(), second.len()), (3, 2));
+        assert_eq!(first.iter().map(|m| m.text.as_str()).collect::<String>(), "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>");
+        let last = first[2];
+        assert_eq!(last.finish_reason, pb::FinishReason::ToolCalls as i32);
+        let function = last.tool_calls[0].function.as_ref().unwrap();
+        assert_eq!((function.name.as_str(), function.arguments.as_str()), ("f", r#"{"x": 1}"#));
+        assert_eq!(second[1].finish_reason, pb::FinishReason::Length as i32);
+        assert!(second[1].tool_calls.is_empty());
+    }
+}
