@@ -230,7 +230,7 @@ async fn chat_and_stop_sequences() {
     let server = common::Served::start("qwen3_a", 1);
     let mut client = GeneratorClient::new(channel(&server.address).await);
     let request = pb::ChatRequest {
-        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello there".into() }],
+        messages: vec![pb::ChatMessage { role: "user".into(), content: "Hello there".into(), ..Default::default() }],
         params: Some(pb::GenerationParams { max_tokens: Some(8), temperature: Some(0.0), ignore_eos: true, ..Default::default() }),
         ..Default::default()
     };
@@ -263,4 +263,94 @@ async fn chat_and_stop_sequences() {
     }
     assert_eq!(reason, pb::FinishReason::StopSequence as i32, "text {text:?}");
     assert!(!text.contains("iv"), "{text:?}");
+}
+
+/// ignore_eos as vLLM means it: EOS does not end the sequence but is not suppressed, so the
+/// model's distribution is untouched. Suppressing EOS would renormalise the others and move every
+/// logprob by -ln(1 - p(EOS)); here they are exactly those of the same request without ignore_eos.
+#[tokio::test(flavor = "multi_thread")]
+async fn ignore_eos_does_not_suppress_eos() {
+    let server = common::Served::start("qwen3_a", 1);
+    let mut client = GeneratorClient::new(channel(&server.address).await);
+    let expected = &common::expected("qwen3_a")[0];
+    let mut first = Vec::new();
+    for ignore_eos in [false, true] {
+        let params = pb::GenerationParams { ignore_eos, logprobs: true, top_logprobs: 20, ..greedy(Some(1)) };
+        let request = pb::GenerateRequest { prompt_ids: expected.ids.clone(), params: Some(params), ..Default::default() };
+        let message = client.generate(request).await.unwrap().into_inner().message().await.unwrap().unwrap();
+        let top: Vec<(u32, f32)> = message.top_logprobs.iter().map(|t| (t.token_id, t.logprob)).collect();
+        assert_eq!(top.len(), 20);
+        first.push((message.token_id, message.logprob, top));
+    }
+    assert_eq!(first[0], first[1]);
+}
+
+/// `n` over gRPC: the choices' messages interleave on one stream, tagged with their index, and
+/// choice i is the request with seed + i.
+#[tokio::test(flavor = "multi_thread")]
+async fn n_choices_are_tagged_and_seeded() {
+    let server = common::Served::start("qwen3_a", 2);
+    let mut client = GeneratorClient::new(channel(&server.address).await);
+    let sampled = |seed: u64, n: u32| pb::GenerateRequest {
+        prompt: "Once upon a time".into(),
+        n,
+        params: Some(pb::GenerationParams { max_tokens: Some(12), temperature: Some(0.9), seed: Some(seed), ignore_eos: true, ..Default::default() }),
+        ..Default::default()
+    };
+    let mut choices: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    let mut finished = 0;
+    let mut stream = client.generate(sampled(7, 3)).await.unwrap().into_inner();
+    while let Some(message) = stream.message().await.unwrap() {
+        choices[message.index as usize].extend(message.token_id);
+        finished += usize::from(message.finish_reason != 0);
+    }
+    assert_eq!(finished, 3);
+    for (i, choice) in choices.iter().enumerate() {
+        let mut alone = Vec::new();
+        let mut stream = client.generate(sampled(7 + i as u64, 1)).await.unwrap().into_inner();
+        while let Some(message) = stream.message().await.unwrap() {
+            assert_eq!(message.index, 0);
+            alone.extend(message.token_id);
+        }
+        assert_eq!(choice, &alone, "choice {i}");
+    }
+    assert!(choices[0] != choices[1] || choices[1] != choices[2], "the choices were not seeded apart");
+    let too_many = client.generate(sampled(7, 17)).await.unwrap_err();
+    assert_eq!(too_many.code(), Code::InvalidArgument);
+    assert!(too_many.message().contains("n must be between 1 and 16"), "{}", too_many.message());
+}
+
+/// Chat's tool and template fields are checked with messages naming the field.
+#[tokio::test(flavor = "multi_thread")]
+async fn chat_tool_fields_are_checked() {
+    let server = common::Served::start("qwen3_a", 1);
+    let mut client = GeneratorClient::new(channel(&server.address).await);
+    let user = pb::ChatMessage { role: "user".into(), content: "hi".into(), ..Default::default() };
+    let cases = [
+        (pb::ChatRequest { tools_json: "[{".into(), ..Default::default() }, "tools_json is not valid JSON"),
+        (pb::ChatRequest { tools_json: r#"[{"type": "function"}]"#.into(), ..Default::default() }, "tools[0].function.name is required"),
+        (pb::ChatRequest { tool_choice: pb::ToolChoice::Auto as i32, ..Default::default() }, "needs tools"),
+        (pb::ChatRequest { chat_template_kwargs_json: "[1]".into(), ..Default::default() }, "must be a JSON object"),
+        (
+            pb::ChatRequest {
+                messages: vec![pb::ChatMessage {
+                    role: "assistant".into(),
+                    tool_calls: vec![pb::ToolCall {
+                        function: Some(pb::FunctionCall { name: "f".into(), arguments: "{oops".into() }),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            "messages[0].tool_calls[0].function.arguments must be a JSON object in text",
+        ),
+    ];
+    for (mut request, needle) in cases {
+        request.messages.push(user.clone());
+        request.params = Some(greedy(Some(2)));
+        let status = client.chat(request).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{needle}: {}", status.message());
+        assert!(status.message().contains(needle), "{:?} lacks {needle:?}", status.message());
+    }
 }

@@ -112,14 +112,15 @@ async fn public_api_survives_random_requests() {
                     prompt: if rng.chance(50) { rng.text() } else { String::new() },
                     prompt_ids: if rng.chance(50) { rng.ids() } else { Vec::new() },
                     params: rng.chance(90).then(|| random_params(&mut rng)),
+                    ..Default::default()
                 };
                 client.generate(request).await.map(|r| Some(r.into_inner()))
             }
             5..=6 => {
                 let messages = (0..rng.below(4))
-                    .map(|_| pb::ChatMessage { role: ["user", "system", "assistant", ""][rng.below(4) as usize].into(), content: rng.text() })
+                    .map(|_| pb::ChatMessage { role: ["user", "system", "assistant", ""][rng.below(4) as usize].into(), content: rng.text(), ..Default::default() })
                     .collect();
-                let request = pb::ChatRequest { model, messages, params: rng.chance(90).then(|| random_params(&mut rng)) };
+                let request = pb::ChatRequest { model, messages, params: rng.chance(90).then(|| random_params(&mut rng)), ..Default::default() };
                 client.chat(request).await.map(|r| Some(r.into_inner()))
             }
             7 => client

@@ -15,16 +15,6 @@ use tpserve::net::{self, Address};
 use tpserve::proto::v1 as pb;
 use tpserve::proto::v1::generator_client::GeneratorClient;
 
-/// The `openai` package, pinned; .ci/run installs the same.
-const OPENAI_PACKAGE: &str = "openai==2.*";
-
-/// A Python with the `openai` package: the system one if it has it, else a virtual environment
-/// under target/ created once.
-fn openai_python() -> &'static str {
-    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    PYTHON.get_or_init(|| common::python_with("import openai", "test-openai-venv", &[OPENAI_PACKAGE]))
-}
-
 /// `tpserve serve` with the HTTP API on a free port.
 struct HttpServed {
     served: common::Served,
@@ -151,17 +141,17 @@ print(json.dumps(out))
 #[tokio::test(flavor = "multi_thread")]
 async fn openai_python_client_matches_grpc() {
     let server = HttpServed::start(&[], &[]);
-    let python = openai_python();
+    let python = common::openai_python();
     let output = Command::new(python).args(["-c", CLIENT, &server.base(), "qwen3_a"]).output().unwrap();
     assert!(output.status.success(), "the openai client failed: {}", String::from_utf8_lossy(&output.stderr));
     let out: Value = serde_json::from_slice(&output.stdout).unwrap();
 
     let mut client = grpc(&server.served.address).await;
     let messages = vec![
-        pb::ChatMessage { role: "system".into(), content: "be brief".into() },
-        pb::ChatMessage { role: "user".into(), content: "hello".into() },
+        pb::ChatMessage { role: "system".into(), content: "be brief".into(), ..Default::default() },
+        pb::ChatMessage { role: "user".into(), content: "hello".into(), ..Default::default() },
     ];
-    let chat = pb::ChatRequest { model: "qwen3_a".into(), messages, params: Some(greedy(8)) };
+    let chat = pb::ChatRequest { model: "qwen3_a".into(), messages, params: Some(greedy(8)), ..Default::default() };
     let (_, chat_text, chat_logprobs, chat_usage) = drain(client.chat(chat).await.unwrap()).await;
     let generate = pb::GenerateRequest { model: "qwen3_a".into(), prompt: "Once upon a time".into(), params: Some(greedy(8)), ..Default::default() };
     let (_, text, logprobs, usage) = drain(client.generate(generate).await.unwrap()).await;
@@ -295,7 +285,8 @@ async fn bad_requests_and_disconnects() {
         post(port, "/v1/chat/completions", &body)
     };
     assert_error(chat(json!({"logit_bias": {"1": 1}})), 400, "\"logit_bias\" is not supported");
-    assert_error(chat(json!({"tools": [{"type": "function"}]})), 400, "\"tools\" is not supported");
+    assert_error(chat(json!({"tools": [{"type": "function"}]})), 400, "tools[0].function.name is required");
+    assert_error(chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})), 400, "constrained decoding");
     assert_error(chat(json!({"temperature": "hot"})), 400, "temperature");
     assert_error(chat(json!({"top_p": 0})), 400, "top_p");
     assert_error(chat(json!({"max_tokens": 100000})), 400, "max_tokens");

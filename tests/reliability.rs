@@ -302,7 +302,7 @@ async fn huge_fields_are_refused_before_they_cost_anything() {
     }
     let tokenize = pb::TokenizeRequest { text: text.clone(), ..Default::default() };
     refused(client(&server.address).await.tokenize(tokenize).await.unwrap_err(), &["--max-prompt-bytes"]);
-    let message = |content: &str| pb::ChatMessage { role: "user".into(), content: content.into() };
+    let message = |content: &str| pb::ChatMessage { role: "user".into(), content: content.into(), ..Default::default() };
     let many = pb::ChatRequest { messages: (0..2000).map(|_| message("hi")).collect(), ..Default::default() };
     refused(client(&server.address).await.chat(many).await.unwrap_err(), &["2000 chat messages", "--max-chat-messages"]);
     let big = pb::ChatRequest { messages: vec![message(&text)], ..Default::default() };

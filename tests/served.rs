@@ -59,3 +59,21 @@ fn demo_runs_and_exits_zero() {
     assert!(stdout.contains("Once upon a time, there was a little robot\nide"), "{stdout}");
     assert!(stderr.contains("tokens/s"), "{stderr}");
 }
+
+/// `serve --device cuda` in a build without the cuda feature exits at once, saying why and what
+/// to do, before any rank starts; `--device tpu` names the choices.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn serve_refuses_cuda_in_a_cpu_build() {
+    for (device, needle) in [("cuda", "needs a build with the cuda feature"), ("tpu", "expected cpu or cuda")] {
+        let output = common::tpserve()
+            .args(["serve", "--model"])
+            .arg(common::fixture("qwen3_a"))
+            .args(["--tp", "2", "--listen", "127.0.0.1:0", "--device", device])
+            .output()
+            .unwrap();
+        assert!(!output.status.success(), "--device {device} was accepted");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(needle), "--device {device}: {stderr}");
+    }
+}

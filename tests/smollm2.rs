@@ -156,7 +156,7 @@ fn chat_template_from_metadata_renders_the_reference_prompt() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| ChatMessage { role: m["role"].as_str().unwrap().into(), content: m["content"].as_str().unwrap().into() })
+        .map(|m| ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap()))
         .collect();
     let text = template.render(&messages, true).unwrap();
     assert_eq!(text, prompt["prompt_text"].as_str().unwrap());
@@ -169,9 +169,9 @@ fn chat_template_from_metadata_renders_the_reference_prompt() {
 }
 
 /// `tpserve serve --model SmolLM2-135M-Instruct.Q4_1.gguf --tp N` and `tpserve chat`: the
-/// greedy answer equals transformers' up to its EOS, where the server stops, at TP 1 and 3.
-/// (The served `ignore_eos` suppresses EOS, while the reference let the model pick it and go
-/// on; the full 32 tokens are checked through the shard driver below.)
+/// greedy answer equals transformers' up to its EOS, where the server stops, at TP 1 and 3; with
+/// `--ignore-eos` it is all 32 of transformers' tokens, EOS and what follows included, since the
+/// reference let the model pick EOS and go on, as ignore_eos does (EOS is not suppressed).
 #[test]
 fn chat_greedy_matches_transformers_at_tp1_and_tp3() {
     let Some(path) = model() else { return };
@@ -201,6 +201,18 @@ fn chat_greedy_matches_transformers_at_tp1_and_tp3() {
             .filter_map(|v| v.get("text").and_then(Value::as_str).map(str::to_owned))
             .collect();
         assert_eq!(text, "The capital of France is Paris.", "TP {tp}");
+
+        let output = common::tpserve()
+            .args(["chat", "--server", &server.address, "--message", message])
+            .args(["--json", "--temperature", "0", "--max-tokens", "32", "--ignore-eos"])
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "TP {tp}: chat --ignore-eos failed: {stdout}");
+        let (got, last) = parse_json_stream(&stdout);
+        assert_eq!(got, want, "TP {tp}: --ignore-eos");
+        assert_eq!(last["finish_reason"], "length", "TP {tp}: {last}");
     }
 }
 

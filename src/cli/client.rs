@@ -125,6 +125,7 @@ pub async fn generate(args: GenerateArgs) -> Result<ExitCode> {
         prompt: args.prompt.unwrap_or_default(),
         prompt_ids: args.prompt_ids.unwrap_or_default(),
         params: Some(args.generation.params()),
+        ..Default::default()
     };
     let stream = client.generate(request).await;
     print_stream(stream, args.generation.json).await
@@ -134,10 +135,10 @@ pub async fn chat(args: ChatArgs) -> Result<ExitCode> {
     let mut client = generator(&args.server, &args.generation).await?;
     let mut messages = Vec::new();
     if let Some(system) = args.system {
-        messages.push(pb::ChatMessage { role: "system".into(), content: system });
+        messages.push(pb::ChatMessage { role: "system".into(), content: system, ..Default::default() });
     }
-    messages.push(pb::ChatMessage { role: "user".into(), content: args.message });
-    let request = pb::ChatRequest { model: args.generation.model.clone(), messages, params: Some(args.generation.params()) };
+    messages.push(pb::ChatMessage { role: "user".into(), content: args.message, ..Default::default() });
+    let request = pb::ChatRequest { model: args.generation.model.clone(), messages, params: Some(args.generation.params()), ..Default::default() };
     let stream = client.chat(request).await;
     print_stream(stream, args.generation.json).await
 }
@@ -224,6 +225,7 @@ pub fn finish_reason_name(reason: pb::FinishReason) -> &'static str {
         pb::FinishReason::Eos => "eos",
         pb::FinishReason::StopSequence => "stop_sequence",
         pb::FinishReason::ContextLength => "context_length",
+        pb::FinishReason::ToolCalls => "tool_calls",
     }
 }
 

@@ -111,7 +111,7 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         &std::fs::read_to_string(&args.prompts).with_context(|| format!("cannot read {}", args.prompts.display()))?,
     )
     .context("--prompts must be a JSON list of token id lists")?;
-    let (device, device_name) = super::serve::parse_device(&args.device)?;
+    let (device, device_name) = super::device::parse_device(&args.device)?;
     let comm = join_on(
         &device,
         args.rank,

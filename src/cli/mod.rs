@@ -3,6 +3,7 @@
 pub mod client;
 pub mod collective_bench;
 pub mod demo;
+pub mod device;
 pub mod eval_shard;
 pub mod serve;
 
@@ -46,6 +47,11 @@ pub enum Command {
     /// Chat with a server's model through its chat template
     Chat(client::ChatArgs),
     /// Check a server's grpc.health.v1 status (exit 0 when SERVING)
+    ///
+    /// The same check with grpcurl: `grpcurl -plaintext HOST:PORT grpc.health.v1.Health/Check`;
+    /// over a Unix socket add `-unix -authority localhost` and give the socket's path, since
+    /// grpcurl would otherwise send the path as :authority, which the server rejects
+    /// (PROTOCOL_ERROR).
     Health(client::HealthArgs),
     /// Serve the bundled tiny model at TP 2 and stream one generation
     Demo,
@@ -139,7 +145,9 @@ pub struct CoordinatorArgs {
     /// A rank address, in rank order (repeat for each rank)
     #[arg(long = "rank", required = true)]
     pub ranks: Vec<Address>,
-    /// Model directory (config.json, tokenizer.json, safetensors), as seen by the ranks too
+    /// Model directory (config.json, tokenizer.json, safetensors), as seen by the ranks too; or a
+    /// Hugging Face Hub id ORG/NAME[@REVISION], fetched into the Hugging Face cache (HF_HOME,
+    /// HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE), the weights by each rank
     #[arg(long)]
     pub model: PathBuf,
     /// Id clients use for the model (default: the directory name)
@@ -266,7 +274,8 @@ impl SchedulerArgs {
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Model directory
+    /// Model directory, a GGUF file, or a Hugging Face Hub id ORG/NAME[@REVISION] (fetched into
+    /// the Hugging Face cache: HF_HOME, HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE)
     #[arg(long)]
     pub model: PathBuf,
     /// Tensor-parallel size: number of local rank processes
@@ -297,6 +306,11 @@ pub struct ServeArgs {
     /// /v1/completions, /v1/models, /health), beside gRPC
     #[arg(long)]
     pub http_listen: Option<String>,
+    /// Where the ranks run: cpu, or cuda (rank i on cuda:i, NCCL between them; needs a build
+    /// with the cuda feature and one GPU per rank). Default: cuda in a cuda build on a machine
+    /// with a GPU, else cpu
+    #[arg(long)]
+    pub device: Option<String>,
 }
 
 impl CoordinatorArgs {

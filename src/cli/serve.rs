@@ -7,13 +7,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use candle_core::Device;
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 
+use super::device::{ServeDevice, parse_device};
 use super::{RankArgs, SchedulerArgs, ServeArgs, available_cores};
 use crate::auth::{CLUSTER_TOKEN_ENV, Secret, load_token};
 use crate::coordinator::{self, CoordinatorOptions, Tokens, WeightFormat};
+use crate::model::hub::HubModel;
 use crate::net::Address;
 use crate::rank::server::{RankOptions, run as run_rank_server};
 
@@ -43,44 +44,14 @@ pub async fn run_rank(args: RankArgs) -> Result<()> {
     .await
 }
 
-/// `cpu`, or `cuda:N` (`cuda` is `cuda:0`) with the cuda feature: the device and its name.
-pub(crate) fn parse_device(text: &str) -> Result<(Device, String)> {
-    match text {
-        "cpu" => Ok((Device::Cpu, "cpu".to_owned())),
-        other if other.starts_with("cuda") => {
-            let ordinal = match other.strip_prefix("cuda") {
-                Some("") => 0,
-                Some(rest) => match rest.strip_prefix(':').map(str::parse::<usize>) {
-                    Some(Ok(ordinal)) => ordinal,
-                    _ => bail!("unknown device \"{other}\" (expected cpu or cuda:N)"),
-                },
-                None => bail!("unknown device \"{other}\" (expected cpu or cuda:N)"),
-            };
-            open_cuda(ordinal)
-        }
-        other => bail!("unknown device \"{other}\" (expected cpu or cuda:N)"),
-    }
-}
-
-/// Opened at startup so that a bad ordinal or a missing driver fails at once; from then on only
-/// the rank's device worker uses the device.
-#[cfg(feature = "cuda")]
-fn open_cuda(ordinal: usize) -> Result<(Device, String)> {
-    let device = crate::comm::nccl::open_device(ordinal).with_context(|| format!("cannot open CUDA device {ordinal}"))?;
-    Ok((device, format!("cuda:{ordinal}")))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn open_cuda(ordinal: usize) -> Result<(Device, String)> {
-    bail!("device \"cuda:{ordinal}\" needs a build with the cuda feature (cargo build --features cuda)")
-}
-
 fn local_hostname() -> Option<String> {
     std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty())
 }
 
 pub async fn run_serve(args: ServeArgs, otlp_endpoint: Option<String>) -> Result<()> {
-    let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None, otlp_endpoint };
+    let device = ServeDevice::choose(args.device.as_deref(), args.tp)?;
+    tracing::info!(device = ?device, tp = args.tp, "starting the ranks");
+    let ranks = RankSettings { threads: args.threads, kv_cache_gib: args.kv_cache_gib, log_filter: None, otlp_endpoint, device };
     let tokens = args.tokens.tokens(None)?;
     let server = ServerSettings {
         tokens,
@@ -89,8 +60,12 @@ pub async fn run_serve(args: ServeArgs, otlp_endpoint: Option<String>) -> Result
         http_listen: args.http_listen.clone(),
     };
     let cluster = LocalCluster::start(&args.model, args.tp, args.weights.format()?, ranks, &args.scheduler, server, args.listen.clone()).await?;
-    super::termination_signal().await;
-    tracing::info!("stopping");
+    // A coordinator that ends on its own (its model cannot be loaded, say) ends serve with its
+    // error, rather than leaving a process that will never serve.
+    tokio::select! {
+        _ = super::termination_signal() => tracing::info!("stopping"),
+        _ = cluster.coordinator_ended() => {}
+    }
     cluster.shutdown().await
 }
 
@@ -104,6 +79,8 @@ pub struct RankSettings {
     pub log_filter: Option<String>,
     /// where the ranks export traces (default: inherited environment)
     pub otlp_endpoint: Option<String>,
+    /// CPU ranks, or rank i on cuda:i
+    pub device: ServeDevice,
 }
 
 /// How `LocalCluster` serves its public API.
@@ -170,6 +147,7 @@ impl LocalCluster {
             if let Some(gib) = settings.kv_cache_gib {
                 args.extend(["--kv-cache-gib".to_owned(), gib.to_string()]);
             }
+            args.extend(["--device".to_owned(), settings.device.rank_device(rank)]);
             let mut env = vec![(CLUSTER_TOKEN_ENV.to_owned(), cluster_token.expose().to_owned())];
             if let Some(filter) = &settings.log_filter {
                 env.push(("RUST_LOG".to_owned(), filter.clone()));
@@ -183,7 +161,7 @@ impl LocalCluster {
         }
         let options = CoordinatorOptions {
             ranks,
-            model: absolute(model)?,
+            model: if model.to_str().and_then(HubModel::parse).is_some() { model.to_owned() } else { absolute(model)? },
             model_id: None,
             weights,
             listen: listen.clone(),
@@ -239,6 +217,14 @@ impl LocalCluster {
     /// True once the coordinator task has ended (normally only after shutdown).
     pub fn coordinator_finished(&self) -> bool {
         self.coordinator.is_finished()
+    }
+
+    /// Resolves once the coordinator task has ended (checked every 200 ms: `shutdown` still
+    /// needs the task's handle to collect its result).
+    pub async fn coordinator_ended(&self) {
+        while !self.coordinator.is_finished() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 }
 

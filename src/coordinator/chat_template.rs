@@ -8,23 +8,67 @@
 //! and Python string/dict methods through `minijinja_contrib::pycompat`.
 
 use std::collections::BTreeMap;
-use std::io;
 use std::path::Path;
 
 use anyhow::{Context, anyhow, bail};
-use minijinja::value::{Kwargs, ValueKind};
+use minijinja::value::ValueKind;
 use minijinja::{Environment, Error, ErrorKind, UndefinedBehavior, Value};
 use serde::{Deserialize, Serialize};
+
+use super::pyjson;
 
 /// Name under which the single template is registered in its environment.
 const TEMPLATE_NAME: &str = "chat_template";
 
 /// One message of a conversation as the template sees it (`message['role']`,
-/// `message['content']`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `message['content']`; for tool use `message['tool_calls']`, `message['tool_call_id']` and
+/// `message['name']`). A field the message lacks is undefined in the template, as in
+/// transformers, so `{% if message.tool_calls %}` works.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into(), tool_calls: Vec::new(), tool_call_id: None, name: None }
+    }
+}
+
+/// A function call of an earlier assistant turn, as OpenAI clients send it back: `{id, type:
+/// "function", function: {name, arguments}}`. The arguments are the parsed JSON value, not
+/// OpenAI's JSON string: vLLM parses them before rendering too, so a template that writes
+/// `arguments | tojson` prints them as transformers would.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: Value,
+}
+
+/// What a request adds to its conversation when rendering: the tools it offers (OpenAI function
+/// definitions, the template's `tools`) and other template variables (HF's `**kwargs` to
+/// `apply_chat_template`, e.g. Qwen3's `enable_thinking`). They are template values parsed from
+/// the client's JSON text, so maps keep the client's key order (see [`pyjson`]).
+#[derive(Debug, Clone, Default)]
+pub struct TemplateInputs {
+    pub tools: Option<Value>,
+    pub kwargs: BTreeMap<String, Value>,
 }
 
 /// A compiled chat template plus the special tokens HF passes into every render.
@@ -103,7 +147,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_filter("tojson", tojson);
+        env.add_filter("tojson", pyjson::tojson);
         env.set_formatter(python_formatter);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| anyhow!("chat template error: template does not compile: {}", describe(&e)))?;
@@ -121,22 +165,18 @@ impl ChatTemplate {
     /// Renders a conversation. `add_generation_prompt` appends the assistant turn header so
     /// the model continues as the assistant.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> anyhow::Result<String> {
-        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+        self.render_with(messages, add_generation_prompt, &TemplateInputs::default())
     }
 
-    /// Like [`render`](Self::render) with extra template variables (HF's `**kwargs` to
-    /// `apply_chat_template`, e.g. `enable_thinking` for Qwen3 or `tools`).
+    /// Like [`render`](Self::render) with the request's tools and template variables.
     ///
     /// `messages`, `add_generation_prompt`, `bos_token` and `eos_token` always take the values
     /// this method sets, so a client cannot spoof the conversation through extra variables.
-    pub fn render_with(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-        extra: &serde_json::Map<String, serde_json::Value>,
-    ) -> anyhow::Result<String> {
-        let mut ctx: BTreeMap<String, Value> =
-            extra.iter().map(|(k, v)| (k.clone(), Value::from_serialize(v))).collect();
+    pub fn render_with(&self, messages: &[ChatMessage], add_generation_prompt: bool, inputs: &TemplateInputs) -> anyhow::Result<String> {
+        let mut ctx: BTreeMap<String, Value> = inputs.kwargs.clone();
+        if let Some(tools) = &inputs.tools {
+            ctx.insert("tools".into(), tools.clone());
+        }
         ctx.insert("messages".into(), Value::from_serialize(messages));
         ctx.insert("add_generation_prompt".into(), Value::from(add_generation_prompt));
         if let Some(bos) = &self.bos_token {
@@ -281,156 +321,6 @@ fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
-/// HF's `tojson` is `json.dumps(x, ensure_ascii=False, indent=indent, separators=separators,
-/// sort_keys=sort_keys)`. minijinja's own `tojson` writes compact JSON with HTML escaping, so
-/// tool schemas rendered into prompts would differ from what the model was trained on.
-fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
-    let indent: Option<Value> = kwargs.get("indent")?;
-    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
-    let separators: Option<Value> = kwargs.get("separators")?;
-    // Accepted for compatibility; minijinja maps iterate in sorted key order already.
-    let _sort_keys: Option<bool> = kwargs.get("sort_keys")?;
-    kwargs.assert_all_used()?;
-
-    let indent: Option<String> = match indent {
-        None => None,
-        Some(v) if v.is_none() || v.is_undefined() => None,
-        Some(v) => {
-            if let Some(n) = v.as_i64() {
-                Some(" ".repeat(usize::try_from(n).unwrap_or(0)))
-            } else if let Some(s) = v.as_str() {
-                Some(s.to_owned())
-            } else {
-                return Err(Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an integer or a string"));
-            }
-        }
-    };
-    let (item_sep, key_sep) = match separators {
-        Some(v) if !(v.is_none() || v.is_undefined()) => {
-            let parts: Vec<Value> = v.try_iter()?.collect();
-            match (parts.first().and_then(Value::as_str), parts.get(1).and_then(Value::as_str), parts.len()) {
-                (Some(a), Some(b), 2) => (a.to_owned(), b.to_owned()),
-                _ => {
-                    return Err(Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson: separators must be a pair of strings",
-                    ));
-                }
-            }
-        }
-        // Python's defaults depend on whether an indent is given.
-        _ => (if indent.is_some() { ",".to_owned() } else { ", ".to_owned() }, ": ".to_owned()),
-    };
-
-    let formatter = PyJsonFormatter {
-        indent: indent.map(String::into_bytes),
-        item_sep: item_sep.into_bytes(),
-        key_sep: key_sep.into_bytes(),
-        ensure_ascii: ensure_ascii.unwrap_or(false),
-        depth: 0,
-        has_value: false,
-    };
-    let mut out = Vec::new();
-    let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
-    value.serialize(&mut ser).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    let text = String::from_utf8(out).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    Ok(Value::from_safe_string(text))
-}
-
-/// serde_json formatter reproducing Python's `json.dumps` layout (separators, indentation,
-/// optional `ensure_ascii` escaping with lowercase hex and surrogate pairs).
-struct PyJsonFormatter {
-    indent: Option<Vec<u8>>,
-    item_sep: Vec<u8>,
-    key_sep: Vec<u8>,
-    ensure_ascii: bool,
-    depth: usize,
-    has_value: bool,
-}
-
-impl PyJsonFormatter {
-    fn newline_indent<W: ?Sized + io::Write>(&self, w: &mut W) -> io::Result<()> {
-        if let Some(indent) = &self.indent {
-            w.write_all(b"\n")?;
-            for _ in 0..self.depth {
-                w.write_all(indent)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn open<W: ?Sized + io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> io::Result<()> {
-        self.depth += 1;
-        self.has_value = false;
-        w.write_all(bracket)
-    }
-
-    fn close<W: ?Sized + io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> io::Result<()> {
-        self.depth = self.depth.saturating_sub(1);
-        if self.has_value {
-            self.newline_indent(w)?;
-        }
-        // The enclosing container, if any, has at least this value.
-        self.has_value = true;
-        w.write_all(bracket)
-    }
-
-    fn element<W: ?Sized + io::Write>(&mut self, w: &mut W, first: bool) -> io::Result<()> {
-        if !first {
-            w.write_all(&self.item_sep)?;
-        }
-        self.newline_indent(w)
-    }
-}
-
-impl serde_json::ser::Formatter for PyJsonFormatter {
-    fn begin_array<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
-        self.open(w, b"[")
-    }
-    fn end_array<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
-        self.close(w, b"]")
-    }
-    fn begin_array_value<W: ?Sized + io::Write>(&mut self, w: &mut W, first: bool) -> io::Result<()> {
-        self.element(w, first)
-    }
-    fn end_array_value<W: ?Sized + io::Write>(&mut self, _w: &mut W) -> io::Result<()> {
-        self.has_value = true;
-        Ok(())
-    }
-    fn begin_object<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
-        self.open(w, b"{")
-    }
-    fn end_object<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
-        self.close(w, b"}")
-    }
-    fn begin_object_key<W: ?Sized + io::Write>(&mut self, w: &mut W, first: bool) -> io::Result<()> {
-        self.element(w, first)
-    }
-    fn begin_object_value<W: ?Sized + io::Write>(&mut self, w: &mut W) -> io::Result<()> {
-        w.write_all(&self.key_sep)
-    }
-    fn end_object_value<W: ?Sized + io::Write>(&mut self, _w: &mut W) -> io::Result<()> {
-        self.has_value = true;
-        Ok(())
-    }
-    fn write_string_fragment<W: ?Sized + io::Write>(&mut self, w: &mut W, fragment: &str) -> io::Result<()> {
-        if !self.ensure_ascii || fragment.is_ascii() {
-            return w.write_all(fragment.as_bytes());
-        }
-        let mut units = [0u16; 2];
-        for c in fragment.chars() {
-            if c.is_ascii() {
-                w.write_all(&[c as u8])?;
-            } else {
-                for unit in c.encode_utf16(&mut units) {
-                    write!(w, "\\u{unit:04x}")?;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
 /// HF exposes `strftime_now(format)` so templates can stamp today's date (Llama 3.x system
 /// prompts do). Time is UTC: a server has no meaningful local zone for its clients.
 fn strftime_now(format: String) -> Result<Value, Error> {
@@ -557,7 +447,7 @@ mod tests {
     use std::path::PathBuf;
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage::new(role, content)
     }
 
     fn system_user() -> Vec<ChatMessage> {
@@ -722,9 +612,9 @@ mod tests {
     fn extra_variables_and_reserved_names() {
         let src = "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{{ messages|length }}";
         let t = ChatTemplate::new(src.into(), None, None).unwrap();
-        let mut extra = serde_json::Map::new();
-        extra.insert("enable_thinking".into(), serde_json::Value::Bool(false));
-        extra.insert("messages".into(), serde_json::json!([1, 2, 3, 4, 5]));
+        let mut extra = TemplateInputs::default();
+        extra.kwargs.insert("enable_thinking".into(), Value::from(false));
+        extra.kwargs.insert("messages".into(), Value::from(vec![1, 2, 3, 4, 5]));
         assert_eq!(t.render_with(&[msg("user", "q")], true, &extra).unwrap(), "<think>\n\n</think>\n\n1");
         assert_eq!(t.render(&[msg("user", "q")], true).unwrap(), "1");
     }

@@ -259,10 +259,9 @@ impl Engine {
             self.reserved += need;
             let seq_id = self.next_seq_id;
             self.next_seq_id += 1;
-            let mut sampling = request.sampling;
-            if request.ignore_eos {
-                sampling.suppressed_token_ids = self.model.eos_token_ids.clone();
-            }
+            // ignore_eos as vLLM means it: EOS does not end the sequence, but it is not
+            // suppressed either, so the model's distribution (and its logprobs) stay untouched.
+            let sampling = request.sampling;
             self.model.metrics.prompt_tokens.fetch_add(request.prompt_ids.len() as u64, Ordering::Relaxed);
             drop(request.queue_span);
             let prefill_span = tracing::info_span!(parent: &request.span, "prefill", prompt_tokens = request.prompt_ids.len());
@@ -498,7 +497,7 @@ impl Engine {
                 .map(|t| pb::TokenLogprob { token_id: t.token_id, logprob: t.logprob })
                 .collect(),
             finish_reason: pb::FinishReason::Unspecified as i32,
-            usage: None,
+            ..Default::default()
         };
         match seq.responses.push(message) {
             Push::Sent => {}
@@ -654,6 +653,7 @@ fn finish(seq: &mut Sequence, reason: pb::FinishReason, metrics: &crate::metrics
         top_logprobs: Vec::new(),
         finish_reason: reason as i32,
         usage: Some(pb::Usage { prompt_tokens: seq.prompt_len as u32, completion_tokens: seq.generated() as u32 }),
+        ..Default::default()
     };
     seq.responses.end(Ok(message));
     metrics.e2e_request_latency.observe(seq.arrived.elapsed());

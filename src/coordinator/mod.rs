@@ -2,15 +2,18 @@
 //! drives the ranks (see docs/architecture.md).
 
 pub mod chat_template;
+pub mod choices;
 pub mod detokenizer;
 pub mod engine;
 pub mod error;
 pub mod gguf_tokenizer;
 pub mod http;
+pub mod pyjson;
 pub mod ranks;
 pub mod service;
 pub mod stop;
 pub mod stream;
+pub mod tools;
 pub mod validation;
 
 use std::collections::HashMap;
@@ -27,6 +30,7 @@ use tonic_health::server::HealthReporter;
 
 use crate::metrics::{CoordinatorMetrics, Occupancy};
 use crate::model::config::{ModelConfig, generation_eos_ids};
+use crate::model::hub::HubModel;
 use crate::net::{Address, Listener};
 use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
@@ -363,15 +367,21 @@ impl Coordinator {
         if self.models.read().await.contains_key(id) {
             return Err(Error::new(Kind::AlreadyExists, format!("model \"{id}\" is already loaded")));
         }
-        let local = {
-            let path = path.to_owned();
-            tokio::task::spawn_blocking(move || LocalModelFiles::read(&path))
-                .await
-                .map_err(|err| Error::internal(format!("reading the model files: {err}")))?
-                .map_err(|err| Error::invalid(format!("cannot load model: {err:#}")))?
-        };
         let path_text = path.to_str().ok_or_else(|| Error::invalid("the model path is not valid UTF-8"))?;
-        let shards = self.supervisor.load(id, path_text, weights).await?;
+        // A hub id: the coordinator fetches what it reads, and each rank its weights.
+        let hub = HubModel::parse(path_text);
+        let local = {
+            let (path, hub) = (path.to_owned(), hub.clone());
+            tokio::task::spawn_blocking(move || match hub {
+                Some(hub) => LocalModelFiles::read(&hub.fetch_coordinator_files()?),
+                None => LocalModelFiles::read(&path),
+            })
+            .await
+            .map_err(|err| Error::internal(format!("reading the model files: {err}")))?
+            .map_err(|err| Error::invalid(format!("cannot load model: {err:#}")))?
+        };
+        let ranks_path = hub.map_or_else(|| path_text.to_owned(), |hub| hub.to_string());
+                let shards = self.supervisor.load(id, &ranks_path, weights).await?;
         let info = shards.first().ok_or_else(|| Error::internal("no ranks"))?;
         // The group can only hold what its smallest rank can.
         let kv_capacity_tokens = shards.iter().map(|s| s.kv_capacity_tokens).min().unwrap_or(0);
@@ -627,5 +637,8 @@ fn occupancy(cell: &tokio::sync::watch::Receiver<Option<Arc<Coordinator>>>) -> O
 
 /// A model's id when none is given: its directory name.
 pub fn default_model_id(path: &Path) -> String {
+    if let Some(hub) = path.to_str().and_then(HubModel::parse) {
+        return hub.model_id().to_owned();
+    }
     path.file_name().and_then(|n| n.to_str()).unwrap_or("default").to_owned()
 }

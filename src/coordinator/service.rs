@@ -10,7 +10,11 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use super::WeightFormat;
+use super::chat_template::{ChatMessage, FunctionCall, TemplateInputs, ToolCall};
+use super::choices;
 use super::error::{Error, Kind};
+use super::pyjson;
+use super::tools::{self, ToolChoice};
 use super::stream::ClientStream;
 use super::validation::{RequestLimits, Validator};
 use super::{Coordinator, ModelHandle};
@@ -155,6 +159,28 @@ impl Api {
         }
     }
 
+    /// Queues `n` sequences of one prompt (0 counts as 1): choice `i` is seeded with the
+    /// request's seed plus `i`, so choices differ yet each is reproducible.
+    pub async fn start_choices(
+        &self,
+        model: &Arc<ModelHandle>,
+        prompt_ids: Result<Vec<u32>, Error>,
+        params: pb::GenerationParams,
+        n: u32,
+        deadline: Option<std::time::Instant>,
+        span: tracing::Span,
+    ) -> Result<Vec<ClientStream>, Error> {
+        let n = check_choices(n)?;
+        let prompt_ids = prompt_ids.map_err(|error| refused(model, error))?;
+        let mut streams = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let mut params = params.clone();
+            params.seed = params.seed.map(|seed| seed.wrapping_add(u64::from(i)));
+            streams.push(self.start(model, Ok(prompt_ids.clone()), params, deadline, span.clone()).await?);
+        }
+        Ok(streams)
+    }
+
     /// Queues a validated prompt; counts requests refused as invalid.
     pub async fn start(
         &self,
@@ -164,17 +190,96 @@ impl Api {
         deadline: Option<std::time::Instant>,
         span: tracing::Span,
     ) -> Result<ClientStream, Error> {
-        let result = match prompt_ids {
-            Ok(ids) => self.validator.queue(model, ids, params, deadline, span).await,
-            Err(error) => Err(error),
-        };
-        if let Err(error) = &result {
-            if matches!(error.kind, Kind::InvalidRequest | Kind::OutOfRange) {
-                model.metrics.failure("invalid_request");
-            }
+        match prompt_ids {
+            Ok(ids) => self.validator.queue(model, ids, params, deadline, span).await.map_err(|error| refused(model, error)),
+            Err(error) => Err(refused(model, error)),
         }
-        result
     }
+}
+
+/// Counts a request refused as invalid.
+fn refused(model: &ModelHandle, error: Error) -> Error {
+    if matches!(error.kind, Kind::InvalidRequest | Kind::OutOfRange) {
+        model.metrics.failure("invalid_request");
+    }
+    error
+}
+
+/// Most choices one request may ask for (`n`).
+pub const MAX_CHOICES: u32 = 16;
+
+/// `n` as requested, 0 meaning 1.
+pub fn check_choices(n: u32) -> Result<u32, Error> {
+    match n {
+        0 => Ok(1),
+        n if n <= MAX_CHOICES => Ok(n),
+        _ => Err(Error::invalid(format!("n must be between 1 and {MAX_CHOICES}"))),
+    }
+}
+
+/// A Chat request's conversation, tools and template variables, as the template takes them.
+fn chat_inputs(request: &mut pb::ChatRequest) -> Result<(Vec<ChatMessage>, TemplateInputs, ToolChoice), Error> {
+    let json = |field: &str, text: &str| {
+        pyjson::parse(text).map_err(|err| Error::invalid(format!("{field} is not valid JSON: {err}")))
+    };
+    let tools = match request.tools_json.as_str() {
+        "" => None,
+        text => Some(json("tools_json", text)?),
+    };
+    if let Some(tools) = &tools {
+        tools::check_tools(tools).map_err(|err| Error::invalid(format!("tools_json: {err}")))?;
+    }
+    let mut kwargs = std::collections::BTreeMap::new();
+    if !request.chat_template_kwargs_json.is_empty() {
+        let value = json("chat_template_kwargs_json", &request.chat_template_kwargs_json)?;
+        let keys = value.try_iter().ok().filter(|_| value.kind() == minijinja::value::ValueKind::Map);
+        let keys = keys.ok_or_else(|| Error::invalid("chat_template_kwargs_json must be a JSON object"))?;
+        for key in keys {
+            let item = value.get_item(&key).unwrap_or_default();
+            kwargs.insert(key.to_string(), item);
+        }
+    }
+    let choice = match pb::ToolChoice::try_from(request.tool_choice) {
+        Ok(pb::ToolChoice::Unspecified) => None,
+        Ok(pb::ToolChoice::None) => Some(serde_json::json!("none")),
+        Ok(pb::ToolChoice::Auto) => Some(serde_json::json!("auto")),
+        Err(_) => return Err(Error::invalid(format!("tool_choice {} is not a ToolChoice", request.tool_choice))),
+    };
+    let choice = ToolChoice::parse(choice.as_ref(), tools.is_some()).map_err(Error::invalid)?;
+    let messages = std::mem::take(&mut request.messages).into_iter().enumerate().map(|(i, m)| chat_message(i, m)).collect::<Result<_, _>>()?;
+    Ok((messages, TemplateInputs { tools, kwargs }, choice))
+}
+
+fn chat_message(index: usize, message: pb::ChatMessage) -> Result<ChatMessage, Error> {
+    let tool_calls = message
+        .tool_calls
+        .into_iter()
+        .enumerate()
+        .map(|(j, call)| {
+            let field = format!("messages[{index}].tool_calls[{j}]");
+            let function = call.function.ok_or_else(|| Error::invalid(format!("{field}.function is required")))?;
+            tool_call(&field, call.id, call.r#type, function.name, &function.arguments)
+        })
+        .collect::<Result<_, _>>()?;
+    let optional = |text: String| (!text.is_empty()).then_some(text);
+    Ok(ChatMessage {
+        role: message.role,
+        content: message.content,
+        tool_calls,
+        tool_call_id: optional(message.tool_call_id),
+        name: optional(message.name),
+    })
+}
+
+/// One call of an assistant message, its arguments parsed from OpenAI's JSON text (both APIs).
+pub fn tool_call(field: &str, id: String, kind: String, name: String, arguments: &str) -> Result<ToolCall, Error> {
+    if name.is_empty() {
+        return Err(Error::invalid(format!("{field}.function.name is required")));
+    }
+    let arguments = pyjson::parse(arguments)
+        .map_err(|err| Error::invalid(format!("{field}.function.arguments must be a JSON object in text: {err}")))?;
+    let kind = if kind.is_empty() { "function".to_owned() } else { kind };
+    Ok(ToolCall { id, kind, function: FunctionCall { name, arguments } })
 }
 
 pub struct GeneratorService {
@@ -193,19 +298,22 @@ impl Generator for GeneratorService {
         let request = request.into_inner();
         let model = self.api.model(&coordinator, &request.model).await?;
         let prompt_ids = self.api.prompt_ids(&model, request.prompt, request.prompt_ids).await;
-        let stream = self.api.start(&model, prompt_ids, request.params.unwrap_or_default(), deadline, span).await?;
-        Ok(Response::new(Box::pin(stream)))
+        let params = request.params.unwrap_or_default();
+        let streams = self.api.start_choices(&model, prompt_ids, params, request.n, deadline, span).await?;
+        Ok(Response::new(choices::merge(streams, ToolChoice::None)))
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<ResponseStream>, Status> {
         let coordinator = self.api.ready()?;
         let deadline = request_deadline(request.metadata());
         let span = request_span("chat", request.metadata());
-        let request = request.into_inner();
+        let mut request = request.into_inner();
         let model = self.api.model(&coordinator, &request.model).await?;
-        let prompt_ids = self.api.validator.encode_chat(&model, request.messages).await;
-        let stream = self.api.start(&model, prompt_ids, request.params.unwrap_or_default(), deadline, span).await?;
-        Ok(Response::new(Box::pin(stream)))
+        let (messages, inputs, tool_choice) = chat_inputs(&mut request)?;
+        let prompt_ids = self.api.validator.encode_chat(&model, messages, inputs).await;
+        let params = request.params.unwrap_or_default();
+        let streams = self.api.start_choices(&model, prompt_ids, params, request.n, deadline, span).await?;
+        Ok(Response::new(choices::merge(streams, tool_choice)))
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {

@@ -9,7 +9,8 @@ use tokio::sync::Semaphore;
 
 use super::ModelHandle;
 use super::error::{Error, Kind};
-use super::chat_template::ChatMessage;
+use super::chat_template::{ChatMessage, TemplateInputs};
+use super::pyjson;
 use super::engine::NewRequest;
 use super::stop::{self, StopLimits, StopSet};
 use super::stream::{self, ClientStream};
@@ -81,20 +82,9 @@ impl Validator {
         self.off_runtime(move || encode(&model, &text, add_special_tokens)).await
     }
 
-    /// The token ids of a chat, rendered through the model's template.
-    pub async fn encode_chat(&self, model: &Arc<ModelHandle>, messages: Vec<pb::ChatMessage>) -> Result<Vec<u32>, Error> {
-        let messages = messages.into_iter().map(|m| ChatMessage { role: m.role, content: m.content }).collect();
-        self.encode_chat_with(model, messages, serde_json::Map::new()).await
-    }
-
-    /// Like [`encode_chat`](Self::encode_chat), with extra template variables (e.g.
-    /// `enable_thinking`), which count toward the size limit.
-    pub async fn encode_chat_with(
-        &self,
-        model: &Arc<ModelHandle>,
-        messages: Vec<ChatMessage>,
-        extra: serde_json::Map<String, serde_json::Value>,
-    ) -> Result<Vec<u32>, Error> {
+    /// The token ids of a chat, rendered through the model's template with the request's tools
+    /// and template variables, which count toward the size limit with the messages.
+    pub async fn encode_chat(&self, model: &Arc<ModelHandle>, messages: Vec<ChatMessage>, inputs: TemplateInputs) -> Result<Vec<u32>, Error> {
         if messages.is_empty() {
             return Err(Error::invalid("messages is empty: give at least one message"));
         }
@@ -105,9 +95,7 @@ impl Validator {
                 messages.len()
             )));
         }
-        let extra_bytes = if extra.is_empty() { 0 } else { serde_json::Value::Object(extra.clone()).to_string().len() };
-        let bytes: usize = messages.iter().map(|m| m.role.len() + m.content.len()).sum::<usize>() + extra_bytes;
-        self.check_text("the chat's messages together", bytes)?;
+        self.check_text("the chat's messages, tools and template variables together", chat_bytes(&messages, &inputs))?;
         if model.chat_template.is_none() {
             return Err(Error::new(Kind::Unsupported, format!("model \"{}\" has no chat template; use Generate", model.id)));
         }
@@ -115,7 +103,7 @@ impl Validator {
         self.off_runtime(move || {
             let template = model.chat_template.as_ref().ok_or_else(|| Error::internal("chat template missing"))?;
             let prompt = template
-                .render_with(&messages, true, &extra)
+                .render_with(&messages, true, &inputs)
                 .map_err(|err| Error::invalid(format!("cannot render the chat template: {err:#}")))?;
             // The template already wrote any special tokens the model expects.
             encode(&model, &prompt, false)
@@ -270,5 +258,17 @@ fn sampling_params(params: &pb::GenerationParams, vocab_size: usize) -> Result<r
         logprobs: params.logprobs || params.top_logprobs > 0,
         suppressed_token_ids: Vec::new(),
     })
+}
+
+
+/// The text a chat carries, in bytes: what its render and tokenization cost grows with.
+fn chat_bytes(messages: &[ChatMessage], inputs: &TemplateInputs) -> usize {
+    let json = |value: &minijinja::Value| pyjson::dumps(value).map_or(0, |text| text.len());
+    let message = |m: &ChatMessage| {
+        let calls: usize = m.tool_calls.iter().map(|c| c.id.len() + c.function.name.len() + json(&c.function.arguments)).sum();
+        m.role.len() + m.content.len() + calls + m.tool_call_id.as_ref().map_or(0, String::len) + m.name.as_ref().map_or(0, String::len)
+    };
+    let kwargs: usize = inputs.kwargs.iter().map(|(k, v)| k.len() + json(v)).sum();
+    messages.iter().map(message).sum::<usize>() + inputs.tools.as_ref().map_or(0, json) + kwargs
 }
 

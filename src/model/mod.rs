@@ -10,6 +10,7 @@ pub use tpserve_kernels::cpu_matmul;
 pub mod decoder;
 pub mod gated_delta_net;
 pub mod gguf;
+pub mod hub;
 pub mod layers;
 pub mod loader;
 pub mod moe;

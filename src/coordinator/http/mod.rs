@@ -29,6 +29,7 @@ use tonic::service::Interceptor;
 use super::error::{Error, Kind};
 use super::service::{Api, RpcLimits};
 use super::stream::ClientStream;
+use super::tools::{self, ToolChoice};
 use super::validation::RequestLimits;
 use super::{Coordinator, ModelHandle};
 use crate::auth::{RequireToken, Secret};
@@ -266,16 +267,16 @@ async fn complete(state: &HttpState, headers: &HeaderMap, body: Result<Bytes, By
     let streams = start(state, &model, &request, span).await?;
     let header = Header::new(endpoint, &model.id);
     let n = request.n as usize;
+    let reading = Reading { endpoint, logprobs: request.logprobs(), tool_choice: request.tool_choice };
     if request.stream {
-        let events = sse::Events::new(header, model, request.logprobs(), request.include_usage, n, streams);
+        let events = sse::Events::new(header, model, reading, request.include_usage, n, streams);
         let mut response = Body::from_stream(events.into_stream()).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
         return Ok(response);
     }
-    let logprobs = request.logprobs();
-    let collected = futures::future::try_join_all(streams.into_iter().map(|(index, stream)| collect(endpoint, &model, logprobs, index, stream))).await?;
+    let collected = futures::future::try_join_all(streams.into_iter().map(|(index, stream)| collect(reading, &model, index, stream))).await?;
     let (mut prompt_tokens, mut completion_tokens) = (0u64, 0u64);
     let mut choices = Vec::with_capacity(collected.len());
     for (index, (choice, usage)) in collected.into_iter().enumerate() {
@@ -293,9 +294,7 @@ async fn complete(state: &HttpState, headers: &HeaderMap, body: Result<Bytes, By
 async fn start(state: &HttpState, model: &Arc<ModelHandle>, request: &Parsed, span: tracing::Span) -> Result<Vec<(usize, ClientStream)>, HttpError> {
     let api = &state.api;
     let prompts: Vec<Result<Vec<u32>, Error>> = match &request.prompts {
-        Prompts::Chat { messages, template_kwargs } => {
-            vec![api.validator.encode_chat_with(model, messages.clone(), template_kwargs.clone()).await]
-        }
+        Prompts::Chat { messages, inputs } => vec![api.validator.encode_chat(model, messages.clone(), inputs.clone()).await],
         Prompts::Completion(inputs) => {
             let mut prompts = Vec::with_capacity(inputs.len());
             for input in inputs {
@@ -310,34 +309,42 @@ async fn start(state: &HttpState, model: &Arc<ModelHandle>, request: &Parsed, sp
     let n = request.n as usize;
     let mut streams = Vec::with_capacity(prompts.len() * n);
     for (p, prompt_ids) in prompts.into_iter().enumerate() {
-        for i in 0..n {
-            let mut params = request.params.clone();
-            params.seed = params.seed.map(|seed| seed.wrapping_add(i as u64));
-            let stream = api.start(model, prompt_ids.clone(), params, None, span.clone()).await?;
-            streams.push((p * n + i, stream));
-        }
+        let choices = api.start_choices(model, prompt_ids, request.params.clone(), request.n, None, span.clone()).await?;
+        streams.extend(choices.into_iter().enumerate().map(|(i, stream)| (p * n + i, stream)));
     }
     Ok(streams)
 }
 
+/// How a choice's output is read: with the endpoint's shape, logprobs or not, tool calls or not.
+#[derive(Clone, Copy)]
+struct Reading {
+    endpoint: Endpoint,
+    logprobs: bool,
+    tool_choice: ToolChoice,
+}
+
 /// Reads one choice's stream to its end: the choice of a whole response, and its usage.
-async fn collect(endpoint: Endpoint, model: &ModelHandle, logprobs: bool, index: usize, mut stream: ClientStream) -> Result<(Value, pb::Usage), HttpError> {
+async fn collect(reading: Reading, model: &ModelHandle, index: usize, mut stream: ClientStream) -> Result<(Value, pb::Usage), HttpError> {
     let mut text = String::new();
     let mut tokens = Vec::new();
     while let Some(item) = stream.next().await {
         let message = item.map_err(|status| Error::from_status(&status))?;
         text.push_str(&message.text);
         if message.finish_reason != pb::FinishReason::Unspecified as i32 {
-            let logprobs = if logprobs {
-                response::logprobs(endpoint, model, &tokens.iter().collect::<Vec<_>>(), 0)
+            let logprobs = if reading.logprobs {
+                response::logprobs(reading.endpoint, model, &tokens.iter().collect::<Vec<_>>(), 0)
             } else {
                 Value::Null
             };
-            let reason = response::finish_reason(message.finish_reason);
-            let choice = response::choice(endpoint, index, text, logprobs, reason);
+            let output = match reading.tool_choice {
+                ToolChoice::Auto => tools::parse(&text),
+                ToolChoice::None => tools::Output { content: text, calls: Vec::new() },
+            };
+            let reason = response::finish_reason(message.finish_reason, !output.calls.is_empty());
+            let choice = response::choice(reading.endpoint, index, output, logprobs, reason);
             return Ok((choice, message.usage.unwrap_or_default()));
         }
-        if logprobs {
+        if reading.logprobs {
             tokens.push(message);
         }
     }

@@ -5,6 +5,7 @@ use serde_json::{Value, json};
 
 use super::types::Endpoint;
 use crate::coordinator::ModelHandle;
+use crate::coordinator::tools;
 use crate::proto::v1 as pb;
 
 /// What a response says about its request, whatever its choices.
@@ -72,11 +73,26 @@ pub fn usage(prompt_tokens: u64, completion_tokens: u64) -> Value {
     })
 }
 
-pub fn finish_reason(reason: i32) -> &'static str {
+/// OpenAI's finish reason: an output that ended with tool calls is "tool_calls" (as in vLLM,
+/// whatever ended it), else "length" or "stop".
+pub fn finish_reason(reason: i32, tool_calls: bool) -> &'static str {
     match pb::FinishReason::try_from(reason) {
+        _ if tool_calls => "tool_calls",
         Ok(pb::FinishReason::Length | pb::FinishReason::ContextLength) => "length",
         _ => "stop",
     }
+}
+
+/// Calls in OpenAI's shape; in a stream's delta each also carries its `index`.
+pub fn tool_calls(calls: &[tools::Call], delta: bool) -> Value {
+    let call = |(index, call): (usize, &tools::Call)| {
+        let mut value = json!({"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}});
+        if delta {
+            value["index"] = json!(index);
+        }
+        value
+    };
+    Value::Array(calls.iter().enumerate().map(call).collect())
 }
 
 /// A token as text: what it decodes to on its own.
@@ -121,18 +137,24 @@ pub fn logprobs(endpoint: Endpoint, model: &ModelHandle, messages: &[&pb::Genera
     }
 }
 
-/// One finished choice of a whole response.
-pub fn choice(endpoint: Endpoint, index: usize, text: String, logprobs: Value, finish_reason: &str) -> Value {
+/// One finished choice of a whole response. A chat message with tool calls has null content
+/// when the model wrote nothing before them.
+pub fn choice(endpoint: Endpoint, index: usize, output: tools::Output, logprobs: Value, finish_reason: &str) -> Value {
     match endpoint {
-        Endpoint::Chat => json!({
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }),
+        Endpoint::Chat => {
+            let no_content = output.content.is_empty();
+            let mut message = json!({"role": "assistant", "content": output.content});
+            if !output.calls.is_empty() {
+                if no_content {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] = tool_calls(&output.calls, false);
+            }
+            json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
+        }
         Endpoint::Completion => json!({
             "index": index,
-            "text": text,
+            "text": output.content,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }),
@@ -149,5 +171,33 @@ pub fn chunk_choice(endpoint: Endpoint, index: usize, delta: Value, logprobs: Va
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Qwen-style call comes back as OpenAI's tool_calls: whole (content null, arguments as
+    /// JSON text, finish reason tool_calls) and as a stream delta (each call with its index).
+    #[test]
+    fn tool_calls_have_the_openai_shape() {
+        let output = tools::parse("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>");
+        let reason = finish_reason(pb::FinishReason::Eos as i32, !output.calls.is_empty());
+        let delta = tool_calls(&output.calls, true);
+        let whole = choice(Endpoint::Chat, 1, output, Value::Null, reason);
+        assert_eq!(whole["finish_reason"], "tool_calls");
+        assert_eq!(whole["message"]["content"], Value::Null);
+        let call = &whole["message"]["tool_calls"][0];
+        assert_eq!(call["type"], "function");
+        assert_eq!(call["function"], json!({"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}));
+        assert!(call["id"].as_str().unwrap().starts_with("chatcmpl-tool-"));
+        assert!(call.get("index").is_none());
+        assert_eq!(delta[0]["index"], 0);
+        assert_eq!(delta[0]["id"], call["id"]);
+        // Without calls: the model's text, and the engine's reason.
+        let plain = choice(Endpoint::Chat, 0, tools::parse("hello"), Value::Null, finish_reason(pb::FinishReason::Length as i32, false));
+        assert_eq!(plain["message"], json!({"role": "assistant", "content": "hello"}));
+        assert_eq!(plain["finish_reason"], "length");
     }
 }

@@ -13,17 +13,21 @@ use bytes::Bytes;
 use futures::stream::{BoxStream, SelectAll, StreamExt};
 use serde_json::{Value, json};
 
+use super::Reading;
 use super::response::{self, Header};
 use super::types::Endpoint;
 use crate::coordinator::ModelHandle;
 use crate::coordinator::error::Error;
 use crate::coordinator::stream::{ClientStream, Item};
+use crate::coordinator::tools::{StreamParser, ToolChoice};
 use crate::proto::v1 as pb;
 
 pub struct Events {
     header: Header,
     model: Arc<ModelHandle>,
     logprobs: bool,
+    /// per choice, with tool choice auto: holds back call markup until the choice ends
+    parsers: Vec<Option<StreamParser>>,
     include_usage: bool,
     /// choices per prompt: usage counts each prompt once
     n: usize,
@@ -41,11 +45,13 @@ fn frame(value: &Value) -> Bytes {
 }
 
 impl Events {
-    pub fn new(header: Header, model: Arc<ModelHandle>, logprobs: bool, include_usage: bool, n: usize, streams: Vec<(usize, ClientStream)>) -> Self {
+    pub fn new(header: Header, model: Arc<ModelHandle>, reading: Reading, include_usage: bool, n: usize, streams: Vec<(usize, ClientStream)>) -> Self {
+        let parser = || (reading.tool_choice == ToolChoice::Auto).then(StreamParser::default);
         let mut events = Self {
             header,
             model,
-            logprobs,
+            logprobs: reading.logprobs,
+            parsers: (0..streams.len()).map(|_| parser()).collect(),
             include_usage,
             n,
             choices: SelectAll::new(),
@@ -76,14 +82,18 @@ impl Events {
         let endpoint = self.header.endpoint;
         let finished = message.finish_reason != pb::FinishReason::Unspecified as i32;
         let has_token = message.token_id.is_some();
-        if !message.text.is_empty() || (self.logprobs && has_token) {
+        let text = match &mut self.parsers[index] {
+            Some(parser) => parser.push(&message.text),
+            None => message.text.clone(),
+        };
+        if !text.is_empty() || (self.logprobs && has_token) {
             let logprobs = if self.logprobs && has_token {
                 response::logprobs(endpoint, &self.model, &[&message], self.offsets[index])
             } else {
                 Value::Null
             };
             self.offsets[index] += message.text.len();
-            let delta = json!({"content": message.text});
+            let delta = json!({"content": text});
             self.push(vec![response::chunk_choice(endpoint, index, delta, logprobs, None)]);
         }
         if finished {
@@ -93,9 +103,27 @@ impl Events {
                 }
                 self.completion_tokens += u64::from(usage.completion_tokens);
             }
-            let reason = response::finish_reason(message.finish_reason);
+            let calls = self.finish_calls(index);
+            let reason = response::finish_reason(message.finish_reason, calls);
             self.push(vec![response::chunk_choice(endpoint, index, json!({}), Value::Null, Some(reason))]);
         }
+    }
+
+    /// The end of a choice with tool parsing: text held back is sent as content, or the calls in
+    /// one delta. Returns whether there were calls.
+    fn finish_calls(&mut self, index: usize) -> bool {
+        let Some(parser) = self.parsers[index].take() else { return false };
+        let output = parser.finish();
+        if !output.content.is_empty() {
+            let delta = json!({"content": output.content});
+            self.push(vec![response::chunk_choice(self.header.endpoint, index, delta, Value::Null, None)]);
+        }
+        if output.calls.is_empty() {
+            return false;
+        }
+        let delta = json!({"tool_calls": response::tool_calls(&output.calls, true)});
+        self.push(vec![response::chunk_choice(self.header.endpoint, index, delta, Value::Null, None)]);
+        true
     }
 
     fn end(&mut self, error: Option<Error>) {

@@ -5,12 +5,11 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use super::HttpError;
-use crate::coordinator::chat_template::ChatMessage;
+use crate::coordinator::chat_template::{ChatMessage, TemplateInputs};
 use crate::coordinator::error::Error;
+use crate::coordinator::service::{self, MAX_CHOICES};
+use crate::coordinator::tools::{self, ToolChoice};
 use crate::proto::v1 as pb;
-
-/// Most choices one request may ask for (`n`).
-pub const MAX_CHOICES: u32 = 16;
 /// Most prompts one completions request may carry.
 pub const MAX_PROMPTS: usize = 16;
 
@@ -28,7 +27,7 @@ pub enum PromptInput {
 
 #[derive(Debug)]
 pub enum Prompts {
-    Chat { messages: Vec<ChatMessage>, template_kwargs: Map<String, Value> },
+    Chat { messages: Vec<ChatMessage>, inputs: TemplateInputs },
     Completion(Vec<PromptInput>),
 }
 
@@ -43,6 +42,8 @@ pub struct Parsed {
     pub n: u32,
     pub stream: bool,
     pub include_usage: bool,
+    /// chat: whether the output is searched for tool calls
+    pub tool_choice: ToolChoice,
 }
 
 impl Parsed {
@@ -132,6 +133,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, HttpError> {
     };
     // An end-user id for abuse monitoring: it does not change the output.
     let _user: Option<String> = fields.take("user")?;
+    let mut tool_choice = ToolChoice::None;
     let prompts = match endpoint {
         Endpoint::Chat => {
             let max_completion_tokens: Option<u32> = fields.take("max_completion_tokens")?;
@@ -145,16 +147,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, HttpError> {
             }
             params.logprobs = logprobs;
             params.top_logprobs = top_logprobs.unwrap_or(0);
-            let template_kwargs = match fields.take_raw("chat_template_kwargs") {
-                None => Map::new(),
-                Some(Value::Object(kwargs)) => kwargs,
-                Some(_) => return Err(invalid("chat_template_kwargs", "chat_template_kwargs must be an object")),
-            };
+            let inputs = template_inputs(&mut fields, body)?;
+            tool_choice = ToolChoice::parse(fields.take_raw("tool_choice").as_ref(), inputs.tools.is_some())
+                .map_err(|message| invalid("tool_choice", message))?;
+            // vLLM's parallel_tool_calls: every call the model makes is returned either way.
+            let _parallel: Option<bool> = fields.take("parallel_tool_calls")?;
             let Some(Value::Array(items)) = fields.take_raw("messages") else {
                 return Err(invalid("messages", "messages is required: an array of {role, content} objects"));
             };
             let messages = items.into_iter().enumerate().map(|(i, m)| message(i, m)).collect::<Result<_, _>>()?;
-            Prompts::Chat { messages, template_kwargs }
+            Prompts::Chat { messages, inputs }
         }
         Endpoint::Completion => {
             let logprobs: Option<u32> = fields.take("logprobs")?;
@@ -178,7 +180,31 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, HttpError> {
         Endpoint::Completion => "completions",
     };
     fields.finish(what)?;
-    Ok(Parsed { endpoint, model, prompts, params, n, stream, include_usage })
+    Ok(Parsed { endpoint, model, prompts, params, n, stream, include_usage, tool_choice })
+}
+
+/// `tools` and `chat_template_kwargs`, checked on the parsed body, then read again from the
+/// body's text as template values: those keep the client's key order, which is part of the
+/// prompt (`tools | tojson`), where the parsed body's maps are sorted.
+fn template_inputs(fields: &mut Fields, body: &[u8]) -> Result<TemplateInputs, HttpError> {
+    #[derive(serde::Deserialize)]
+    struct Ordered {
+        #[serde(default)]
+        tools: Option<minijinja::Value>,
+        #[serde(default)]
+        chat_template_kwargs: Option<std::collections::BTreeMap<String, minijinja::Value>>,
+    }
+    match fields.take_raw("chat_template_kwargs") {
+        None | Some(Value::Object(_)) => {}
+        Some(_) => return Err(invalid("chat_template_kwargs", "chat_template_kwargs must be an object")),
+    }
+    let has_tools = fields.take_raw("tools").is_some();
+    let ordered: Ordered = serde_json::from_slice(body).map_err(|err| HttpError::from(Error::invalid(format!("the body: {err}"))))?;
+    let tools = ordered.tools.filter(|_| has_tools);
+    if let Some(tools) = &tools {
+        tools::check_tools(tools).map_err(|message| invalid("tools", message))?;
+    }
+    Ok(TemplateInputs { tools, kwargs: ordered.chat_template_kwargs.unwrap_or_default() })
 }
 
 /// vLLM's top_k: 0 or -1 means no truncation.
@@ -243,9 +269,26 @@ fn message(index: usize, value: Value) -> Result<ChatMessage, HttpError> {
     if !matches!(role.as_str(), "system" | "user" | "assistant" | "tool") {
         return Err(invalid(&param, format!("{param}.role \"{role}\" is not one of system, user, assistant, tool")));
     }
-    let content = match fields.take_raw("content") {
-        None => String::new(),
-        Some(Value::String(s)) => s,
+    let content = content(&param, fields.take_raw("content"))?;
+    let tool_calls = match fields.take_raw("tool_calls") {
+        None => Vec::new(),
+        Some(Value::Array(calls)) if role == "assistant" => {
+            calls.into_iter().enumerate().map(|(j, call)| tool_call(&format!("{param}.tool_calls[{j}]"), call)).collect::<Result<_, _>>()?
+        }
+        Some(_) => return Err(invalid(&param, format!("{param}.tool_calls must be an array, on an assistant message"))),
+    };
+    let tool_call_id: Option<String> = fields.take("tool_call_id")?;
+    let name: Option<String> = fields.take("name")?;
+    fields.finish(&param)?;
+    Ok(ChatMessage { role, content, tool_calls, tool_call_id, name })
+}
+
+/// A message's content: absent or null (an assistant turn that only calls tools), a string, or
+/// text parts.
+fn content(param: &str, value: Option<Value>) -> Result<String, HttpError> {
+    match value {
+        None => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s),
         Some(Value::Array(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
             for part in parts {
@@ -254,18 +297,33 @@ fn message(index: usize, value: Value) -> Result<ChatMessage, HttpError> {
                     ("text", Some(text)) => texts.push(text.to_owned()),
                     _ => {
                         return Err(invalid(
-                            &param,
+                            param,
                             format!("{param}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, not \"{kind}\""),
                         ));
                     }
                 }
             }
-            texts.join("\n")
+            Ok(texts.join("\n"))
         }
-        Some(_) => return Err(invalid(&param, format!("{param}.content must be a string or an array of text parts"))),
-    };
-    fields.finish(&param)?;
-    Ok(ChatMessage { role, content })
+        Some(_) => Err(invalid(param, format!("{param}.content must be a string or an array of text parts"))),
+    }
+}
+
+/// One call of an assistant message: `{id, type: "function", function: {name, arguments}}`,
+/// the arguments a JSON object in text, as OpenAI returns them.
+fn tool_call(field: &str, value: Value) -> Result<crate::coordinator::chat_template::ToolCall, HttpError> {
+    let shape = || invalid(field, format!("{field} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"));
+    let Value::Object(map) = value else { return Err(shape()) };
+    let mut fields = Fields(map);
+    let id: String = fields.take("id")?.unwrap_or_default();
+    let kind: String = fields.take("type")?.unwrap_or_default();
+    let Some(Value::Object(function)) = fields.take_raw("function") else { return Err(shape()) };
+    fields.finish(field)?;
+    let mut function = Fields(function);
+    let name: String = function.take("name")?.unwrap_or_default();
+    let arguments: String = function.take("arguments")?.unwrap_or_else(|| "{}".to_owned());
+    function.finish(&format!("{field}.function"))?;
+    service::tool_call(field, id, kind, name, &arguments).map_err(|err| HttpError::param(err, field))
 }
 
 #[cfg(test)]

@@ -1,0 +1,323 @@
+//! Tool calling and chat-template variables against transformers' own renderings of the real
+//! Qwen3 template (tests/fixtures/qwen3_chat, from scripts/oracle/make_qwen3_chat.py): tools,
+//! an assistant turn with tool calls, a tool result, `enable_thinking`.
+//!
+//! The template is checked three ways: rendered in-process (string and ids equal the
+//! reference); served, through the official `openai` client, where greedy output and logprobs
+//! for the chat must equal those for the reference ids sent as a raw prompt (so the served
+//! prompt is the reference prompt token for token); and through gRPC's Chat, which must match
+//! HTTP. The served model has random weights over the real Qwen3 vocabulary, written by the test,
+//! so it never calls a tool by itself: the output parser is tested on the real tokenizer's
+//! tokens of a Qwen3 tool call, streamed through the real detokenizer.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use minijinja::Value as TemplateValue;
+use serde_json::{Value, json};
+use tpserve::coordinator::chat_template::{ChatMessage, ChatTemplate, FunctionCall, TemplateInputs, ToolCall};
+use tpserve::coordinator::detokenizer::IncrementalDecoder;
+use tpserve::coordinator::{pyjson, tools};
+use tpserve::net::{self, Address};
+use tpserve::proto::v1 as pb;
+use tpserve::proto::v1::generator_client::GeneratorClient;
+
+fn oracle_dir() -> PathBuf {
+    common::fixture("qwen3_chat")
+}
+
+/// The oracle's cases, parsed into template values so that maps keep their order.
+fn oracle() -> TemplateValue {
+    pyjson::parse(&std::fs::read_to_string(oracle_dir().join("expected.json")).unwrap()).unwrap()
+}
+
+fn case(name: &str) -> TemplateValue {
+    let cases = oracle().get_attr("cases").unwrap();
+    cases.try_iter().unwrap().find(|c| c.get_attr("name").unwrap().as_str() == Some(name)).unwrap()
+}
+
+fn text(value: &TemplateValue, key: &str) -> Option<String> {
+    value.get_attr(key).ok().and_then(|v| v.as_str().map(str::to_owned))
+}
+
+fn reference_ids(case: &TemplateValue) -> Vec<u32> {
+    case.get_attr("ids").unwrap().try_iter().unwrap().map(|id| u32::try_from(id).unwrap()).collect()
+}
+
+fn messages(case: &TemplateValue) -> Vec<ChatMessage> {
+    let messages = case.get_attr("messages").unwrap();
+    messages
+        .try_iter()
+        .unwrap()
+        .map(|m| {
+            let mut message = ChatMessage::new(text(&m, "role").unwrap(), text(&m, "content").unwrap());
+            if let Ok(calls) = m.get_attr("tool_calls").and_then(|c| c.try_iter().map(|i| i.collect::<Vec<_>>())) {
+                message.tool_calls = calls
+                    .iter()
+                    .map(|call| {
+                        let function = call.get_attr("function").unwrap();
+                        let (name, arguments) = (text(&function, "name").unwrap(), function.get_attr("arguments").unwrap());
+                        ToolCall { id: String::new(), kind: "function".into(), function: FunctionCall { name, arguments } }
+                    })
+                    .collect();
+            }
+            message
+        })
+        .collect()
+}
+
+fn inputs(case: &TemplateValue) -> TemplateInputs {
+    let tools = case.get_attr("tools").ok().filter(|t| !t.is_undefined());
+    let kwargs = case.get_attr("kwargs").unwrap();
+    let kwargs = kwargs.try_iter().unwrap().map(|k| (k.to_string(), kwargs.get_item(&k).unwrap())).collect();
+    TemplateInputs { tools, kwargs }
+}
+
+const CASES: [&str; 5] = ["plain", "no_thinking", "tools", "tool_round_trip", "multi_turn_thinking"];
+
+/// Every case renders to transformers' string, and that string tokenizes to its ids.
+#[test]
+fn qwen3_template_renders_like_transformers() {
+    let template = ChatTemplate::from_model_dir(&oracle_dir()).unwrap().expect("the Qwen3 template");
+    let tokenizer = tokenizers::Tokenizer::from_file(oracle_dir().join("tokenizer.json")).unwrap();
+    for name in CASES {
+        let case = case(name);
+        let rendered = template.render_with(&messages(&case), true, &inputs(&case)).unwrap();
+        assert_eq!(rendered, text(&case, "rendered").unwrap(), "case {name}");
+        let ids = tokenizer.encode(rendered.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(ids, reference_ids(&case), "case {name}");
+    }
+}
+
+/// A Qwen3 tool call as the model emits it (the real tokenizer's tokens, after some content),
+/// detokenized token by token as the engine does, splits into content and the call, streamed or
+/// whole; the arguments come back as Python's json.dumps text.
+#[test]
+fn the_parser_reads_a_real_qwen3_tool_call() {
+    let example = text(&oracle(), "tool_call_output_example").unwrap();
+    let output = format!("Let me check the weather.\n\n{example}");
+    let tokenizer = Arc::new(tokenizers::Tokenizer::from_file(oracle_dir().join("tokenizer.json")).unwrap());
+    let ids = tokenizer.encode(output.as_str(), false).unwrap().get_ids().to_vec();
+    assert!(ids.contains(&151657) && ids.contains(&151658), "<tool_call> and </tool_call> are single tokens: {ids:?}");
+    let mut decoder = IncrementalDecoder::new(tokenizer.clone(), &[151644, 77091, 198]);
+    let mut parser = tools::StreamParser::default();
+    let mut streamed = String::new();
+    let mut whole = String::new();
+    for id in ids {
+        let delta = decoder.push(id).unwrap();
+        whole.push_str(&delta);
+        streamed.push_str(&parser.push(&delta));
+    }
+    let rest = decoder.finish();
+    whole.push_str(&rest);
+    streamed.push_str(&parser.push(&rest));
+    assert_eq!(whole, output);
+    let end = parser.finish();
+    assert_eq!(streamed, "Let me check the weather.\n\n");
+    assert_eq!(end.content, "");
+    let parsed = tools::parse(&whole);
+    assert_eq!(parsed.content, streamed);
+    for calls in [&end.calls, &parsed.calls] {
+        assert_eq!(calls.len(), 1);
+        assert_eq!((calls[0].name.as_str(), calls[0].arguments.as_str()), ("get_weather", r#"{"city": "Paris"}"#));
+    }
+}
+
+/// A random-weight Qwen3 over the real Qwen3 vocabulary with the real tokenizer and template,
+/// written once under target/: TP 2 splits its 4 query and 2 KV heads.
+fn qwen3_vocab_model() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/test-qwen3-vocab-model");
+    static MADE: std::sync::Once = std::sync::Once::new();
+    MADE.call_once(|| write_model(&dir));
+    dir
+}
+
+fn write_model(dir: &Path) {
+    let (vocab, hidden, heads, kv_heads, head_dim, intermediate) = (151936usize, 32usize, 4usize, 2usize, 8usize, 64usize);
+    std::fs::create_dir_all(dir).unwrap();
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(oracle_dir().join(file), dir.join(file)).unwrap();
+    }
+    let config = json!({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": true, "attention_bias": false,
+        "bos_token_id": null, "eos_token_id": 151645, "torch_dtype": "float32",
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    std::fs::write(dir.join("generation_config.json"), json!({"eos_token_id": [151645, 151643]}).to_string()).unwrap();
+    let shapes: Vec<(String, Vec<usize>)> = [
+        ("model.embed_tokens.weight", vec![vocab, hidden]),
+        ("model.norm.weight", vec![hidden]),
+        ("model.layers.0.input_layernorm.weight", vec![hidden]),
+        ("model.layers.0.post_attention_layernorm.weight", vec![hidden]),
+        ("model.layers.0.self_attn.q_proj.weight", vec![heads * head_dim, hidden]),
+        ("model.layers.0.self_attn.k_proj.weight", vec![kv_heads * head_dim, hidden]),
+        ("model.layers.0.self_attn.v_proj.weight", vec![kv_heads * head_dim, hidden]),
+        ("model.layers.0.self_attn.o_proj.weight", vec![hidden, heads * head_dim]),
+        ("model.layers.0.self_attn.q_norm.weight", vec![head_dim]),
+        ("model.layers.0.self_attn.k_norm.weight", vec![head_dim]),
+        ("model.layers.0.mlp.gate_proj.weight", vec![intermediate, hidden]),
+        ("model.layers.0.mlp.up_proj.weight", vec![intermediate, hidden]),
+        ("model.layers.0.mlp.down_proj.weight", vec![hidden, intermediate]),
+    ]
+    .into_iter()
+    .map(|(name, shape)| (name.to_owned(), shape))
+    .collect();
+    // Deterministic pseudo-random weights (an LCG); norms are ones, as initialised.
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let data: Vec<Vec<u8>> = shapes
+        .iter()
+        .map(|(name, shape)| {
+            let count: usize = shape.iter().product();
+            let values: Vec<f32> = if name.ends_with("norm.weight") {
+                vec![1.0; count]
+            } else {
+                (0..count)
+                    .map(|_| {
+                        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5
+                    })
+                    .collect()
+            };
+            values.iter().flat_map(|v| v.to_le_bytes()).collect()
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = shapes
+        .iter()
+        .zip(&data)
+        .map(|((name, shape), bytes)| (name.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+/// The official client: chats with tools, with a tool call and its result, and with
+/// enable_thinking off, each beside the completion of transformers' ids for the same case.
+const CLIENT: &str = r#"
+import json, sys, openai
+base, model, cases = sys.argv[1], sys.argv[2], json.load(open(sys.argv[3]))["cases"]
+case = {c["name"]: c for c in cases}
+client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+greedy = dict(model=model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+def chat(**kwargs):
+    return client.chat.completions.create(logprobs=True, **greedy, **kwargs).model_dump()
+def raw(name):
+    return client.completions.create(prompt=case[name]["ids"], logprobs=0, **greedy).model_dump()
+tools = case["tools"]["tools"]
+out = {"tools": chat(messages=case["tools"]["messages"], tools=tools), "tools_raw": raw("tools")}
+# The round trip as a client makes it: the call comes back with an id and its arguments as JSON
+# text, the result answers that id.
+call = {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+turns = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "call_0", "content": '{"temp": 21, "unit": "c"}'}]
+out["round_trip"] = chat(messages=turns, tools=tools, tool_choice="auto")
+out["round_trip_raw"] = raw("tool_round_trip")
+out["round_trip_stream"] = [c.model_dump() for c in client.chat.completions.create(messages=turns, tools=tools, stream=True, **greedy)]
+extra = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
+out["no_thinking"] = client.chat.completions.create(messages=case["no_thinking"]["messages"], logprobs=True,
+    **{**greedy, "extra_body": extra}).model_dump()
+out["no_thinking_raw"] = raw("no_thinking")
+print(json.dumps(out))
+"#;
+
+fn assert_same_generation(chat: &Value, raw: &Value, reference: &[u32], what: &str) {
+    let choice = &chat["choices"][0];
+    assert_eq!(chat["usage"]["prompt_tokens"], reference.len(), "{what}: the prompt is the reference's length");
+    assert_eq!(choice["message"]["content"], raw["choices"][0]["text"], "{what}");
+    assert_eq!(choice["finish_reason"], "length", "{what}");
+    assert!(choice["message"].get("tool_calls").is_none_or(Value::is_null), "{what}: {choice}");
+    let chat_logprobs: Vec<f64> = choice["logprobs"]["content"].as_array().unwrap().iter().map(|e| e["logprob"].as_f64().unwrap()).collect();
+    let raw_logprobs: Vec<f64> =
+        raw["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    assert_eq!(chat_logprobs.len(), 6, "{what}");
+    assert_eq!(chat_logprobs, raw_logprobs, "{what}: the same prompt gives the same distributions");
+}
+
+struct Server {
+    served: common::Served,
+    port: u16,
+}
+
+fn serve() -> Server {
+    let port = common::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let model = qwen3_vocab_model();
+    let served = common::Served::start_with(model.to_str().unwrap(), 2, &["--http-listen", &listen]);
+    Server { served, port }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn openai_client_tool_round_trip_renders_like_transformers() {
+    let server = serve();
+    let python = common::openai_python();
+    let base = format!("http://127.0.0.1:{}/v1", server.port);
+    let expected = oracle_dir().join("expected.json");
+    let output = Command::new(python).args(["-c", CLIENT, &base, "test-qwen3-vocab-model"]).arg(&expected).output().unwrap();
+    assert!(output.status.success(), "the openai client failed: {}", String::from_utf8_lossy(&output.stderr));
+    let out: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_same_generation(&out["tools"], &out["tools_raw"], &reference_ids(&case("tools")), "tools");
+    assert_same_generation(&out["round_trip"], &out["round_trip_raw"], &reference_ids(&case("tool_round_trip")), "round trip");
+    assert_same_generation(&out["no_thinking"], &out["no_thinking_raw"], &reference_ids(&case("no_thinking")), "enable_thinking");
+    let streamed: String = out["round_trip_stream"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap())
+        .filter_map(|c| c["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, out["round_trip"]["choices"][0]["message"]["content"].as_str().unwrap());
+
+    // gRPC's Chat with the same tools, messages and template variables gives the same tokens.
+    let address: Address = server.served.address.parse().unwrap();
+    let mut client = GeneratorClient::new(net::connect(&address, Duration::from_secs(10)).await.unwrap());
+    let call = pb::ToolCall {
+        id: "call_0".into(),
+        r#type: "function".into(),
+        function: Some(pb::FunctionCall { name: "get_weather".into(), arguments: r#"{"city": "Paris"}"#.into() }),
+    };
+    let message = |role: &str, content: &str| pb::ChatMessage { role: role.into(), content: content.into(), ..Default::default() };
+    let messages = vec![
+        message("user", "Weather in Paris?"),
+        pb::ChatMessage { tool_calls: vec![call], ..message("assistant", "") },
+        pb::ChatMessage { tool_call_id: "call_0".into(), ..message("tool", r#"{"temp": 21, "unit": "c"}"#) },
+    ];
+    // The tools as JSON text in the oracle's key order (a serde_json::Value would sort the keys).
+    let tools = pyjson::dumps(&case("tools").get_attr("tools").unwrap()).unwrap();
+    let params = pb::GenerationParams { max_tokens: Some(6), temperature: Some(0.0), ignore_eos: true, ..Default::default() };
+    let request = pb::ChatRequest { messages, tools_json: tools, params: Some(params.clone()), n: 2, ..Default::default() };
+    let (texts, usage, last) = drain(client.chat(request).await.unwrap().into_inner()).await;
+    assert_eq!(texts, vec![out["round_trip"]["choices"][0]["message"]["content"].as_str().unwrap().to_owned(); 2]);
+    assert_eq!(usage.prompt_tokens as usize, reference_ids(&case("tool_round_trip")).len());
+    assert_eq!(last, [pb::FinishReason::Length as i32; 2]);
+    let request = pb::ChatRequest {
+        messages: vec![message("user", "2+2?")],
+        chat_template_kwargs_json: r#"{"enable_thinking": false}"#.into(),
+        params: Some(params),
+        ..Default::default()
+    };
+    let (texts, _, _) = drain(client.chat(request).await.unwrap().into_inner()).await;
+    assert_eq!(texts[0], out["no_thinking"]["choices"][0]["message"]["content"].as_str().unwrap());
+}
+
+/// Each choice's text, the usage, and each choice's finish reason.
+async fn drain(mut stream: tonic::Streaming<pb::GenerateResponse>) -> (Vec<String>, pb::Usage, Vec<i32>) {
+    let (mut texts, mut usage, mut reasons) = (Vec::<String>::new(), pb::Usage::default(), Vec::new());
+    while let Some(message) = stream.message().await.unwrap() {
+        let index = message.index as usize;
+        if texts.len() <= index {
+            texts.resize(index + 1, String::new());
+            reasons.resize(index + 1, 0);
+        }
+        texts[index].push_str(&message.text);
+        if message.finish_reason != 0 {
+            reasons[index] = message.finish_reason;
+            usage = message.usage.unwrap_or_default();
+        }
+    }
+    (texts, usage, reasons)
+}
