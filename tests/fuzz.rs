@@ -318,6 +318,7 @@ async fn rank_survives_random_steps() {
         model_path: common::fixture("qwen3_a").display().to_string(),
         dtype: "f32".into(),
         epoch: 1,
+        quantize: String::new(),
     };
     let mut progress = client.load_shard(load).await.unwrap().into_inner();
     while let Some(message) = progress.message().await.unwrap() {
