@@ -8,6 +8,9 @@
 //! the per-step orchestration overhead the coordinator measures (GenerateStep round trip minus
 //! the rank's compute time), and, as the baseline of the same run, the decode tokens/s of the
 //! same model driven by an in-process loop with no RPC.
+//!
+//! It runs once per weight format in `TPSERVE_BENCH_WEIGHTS` (default `f32,bf16,q8_0`): `f32`
+//! and `bf16` are `--dtype`, a GGUF block format name is `--quantize`.
 
 mod support;
 
@@ -41,13 +44,25 @@ fn main() {
     let model = dir.path().join("qwen3-100m");
     let params = support::write_qwen3(&model, &support::QWEN3_100M);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    println!("tpserve serving benchmark: Qwen3-shaped random model, {:.1}M parameters, f32, TP 1, {cores} cores", params as f64 / 1e6);
-    println!("{PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens per request, greedy, EOS ignored\n");
+    let formats = std::env::var("TPSERVE_BENCH_WEIGHTS").unwrap_or_else(|_| "f32,bf16,q8_0".to_owned());
+    for format in formats.split(',').map(str::trim).filter(|f| !f.is_empty()) {
+        println!("tpserve serving benchmark: Qwen3-shaped random model, {:.1}M parameters, weights {format}, TP 1, {cores} cores", params as f64 / 1e6);
+        println!("{PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens per request, greedy, EOS ignored\n");
+        run_format(&model, dir.path(), format);
+        println!();
+    }
+}
 
-    let baseline = in_process_decode(&model);
+/// `serve` flags for a weight format: a dtype, or a quantization.
+fn weight_flags(format: &str) -> [&str; 2] {
+    if tpserve::model::quant::formats::parse(format).is_some() { ["--quantize", format] } else { ["--dtype", format] }
+}
+
+fn run_format(model: &std::path::Path, dir: &std::path::Path, format: &str) {
+    let baseline = in_process_decode(model, format);
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let address = format!("unix://{}", dir.path().join("api.sock").display());
-    let mut server = start_server(&model, &address);
+    let address = format!("unix://{}", dir.join(format!("api-{format}.sock")).display());
+    let mut server = start_server(model, &address, format);
     runtime.block_on(async {
         wait_ready(&address).await;
         run_level(&address, 2, 0).await; // warm-up
@@ -83,10 +98,11 @@ fn main() {
     stop(&mut server);
 }
 
-fn start_server(model: &std::path::Path, address: &str) -> Child {
+fn start_server(model: &std::path::Path, address: &str, format: &str) -> Child {
     Command::new(env!("CARGO_BIN_EXE_tpserve"))
         .args(["serve", "--tp", "1", "--max-batch-size", "64", "--listen", address, "--model"])
         .arg(model)
+        .args(weight_flags(format))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -176,9 +192,13 @@ async fn step_overhead(address: &str) -> (f64, f64) {
 }
 
 /// Greedy decode tokens/s of the same model loaded in this process, no RPC, same threads.
-fn in_process_decode(model: &std::path::Path) -> f64 {
-    let options = LoadOptions { dtype: Some(candle_core::DType::F32), device: candle_core::Device::Cpu };
-    let model = Model::load(model, &TpGroup::single(), &options, Arc::new(LoadProgress::default())).unwrap();
+fn in_process_decode(model: &std::path::Path, format: &str) -> f64 {
+    let [flag, value] = weight_flags(format);
+    let (dtype, quantize) = if flag == "--quantize" { ("auto", value) } else { (value, "") };
+    let device = candle_core::Device::Cpu;
+    let (dtype, quant) = tpserve::model::parse_load_dtype(dtype, quantize, &device, model).unwrap();
+    let options = LoadOptions { dtype, device };
+    let model = Model::load_quantized(model, &TpGroup::single(), &options, quant, Arc::new(LoadProgress::default())).unwrap();
     let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|t| (t * 7919) % 32000).collect();
     let mut best: f64 = 0.0;
     for run in 0..3 {
