@@ -209,7 +209,7 @@ fn next_tokens(comm: &dyn Collective, logits: Option<Tensor>, batch: usize) -> R
         Some(logits) => logits.argmax(1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?,
         None => vec![0; batch],
     };
-    if comm.world_size() == 1 {
+    if comm.world_size() == 1 && !crate::comm::collectives_at_tp1() {
         return Ok(local);
     }
     let shared = comm.broadcast(&Tensor::from_vec(local, batch, &Device::Cpu)?, 0)?;
@@ -256,7 +256,7 @@ pub(crate) fn join_on(
     }
     #[cfg(not(feature = "cuda"))]
     let _ = device;
-    if world_size == 1 {
+    if world_size == 1 && !crate::comm::collectives_at_tp1() {
         return Ok(Arc::new(crate::comm::SingleRank));
     }
     let options = SocketOptions {

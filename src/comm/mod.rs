@@ -64,6 +64,35 @@ pub trait Collective: Send + Sync {
     fn abort(&self);
 }
 
+/// The sanity check a rank runs right after joining, before Init answers: every rank sums a
+/// tensor of ones on its own device, and each element must come back as the world size. A
+/// communicator that cannot reduce (a peer of another group, a wedged backend, a broken dtype
+/// path) then fails Init with a reason rather than the first step of the first request.
+pub fn check_sum_of_ones(comm: &dyn Collective, device: &candle_core::Device) -> CommResult<()> {
+    const OP: &str = "communicator check";
+    let world = comm.world_size();
+    let ones = Tensor::ones(8, candle_core::DType::F32, device)?;
+    let sum = comm.all_reduce_sum(&ones)?.to_device(&candle_core::Device::Cpu)?.to_vec1::<f32>()?;
+    if sum.len() != 8 || sum.iter().any(|&v| v != world as f32) {
+        return Err(CommError::Invalid {
+            op: OP,
+            reason: format!("an all-reduce of ones over {world} ranks gave {sum:?}, not {world} in each of 8 elements"),
+        });
+    }
+    Ok(())
+}
+
+/// Set to `1` (or `true`, `on`), a TP 1 rank joins a real communicator of one rank (NCCL on a
+/// GPU, the socket backend on a CPU) and runs every collective through it instead of skipping
+/// it, so that one device exercises the backend's operations and dtypes.
+pub const TP1_COLLECTIVES_ENV: &str = "TPSERVE_TP1_COLLECTIVES";
+
+/// Whether [`TP1_COLLECTIVES_ENV`] is set (read once per process).
+pub fn collectives_at_tp1() -> bool {
+    static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| matches!(std::env::var(TP1_COLLECTIVES_ENV).as_deref(), Ok("1" | "true" | "on")))
+}
+
 /// A single-rank group: every collective is the identity. Used at TP 1 so that the model code
 /// has one path.
 pub struct SingleRank;
@@ -91,4 +120,46 @@ impl Collective for SingleRank {
         Ok(())
     }
     fn abort(&self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A communicator whose all-reduce returns what it is told to (a broken backend).
+    struct Answers(f32);
+
+    impl Collective for Answers {
+        fn rank(&self) -> usize {
+            1
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn all_reduce_sum(&self, tensor: &Tensor) -> CommResult<Tensor> {
+            Ok(tensor.affine(self.0 as f64, 0.0)?)
+        }
+        fn all_gather(&self, tensor: &Tensor, _dim: usize) -> CommResult<Tensor> {
+            Ok(tensor.clone())
+        }
+        fn gather(&self, tensor: &Tensor, _dim: usize, _root: usize) -> CommResult<Option<Tensor>> {
+            Ok(Some(tensor.clone()))
+        }
+        fn broadcast(&self, tensor: &Tensor, _root: usize) -> CommResult<Tensor> {
+            Ok(tensor.clone())
+        }
+        fn barrier(&self) -> CommResult<()> {
+            Ok(())
+        }
+        fn abort(&self) {}
+    }
+
+    #[test]
+    fn the_init_check_accepts_a_sum_and_names_a_wrong_one() {
+        let cpu = candle_core::Device::Cpu;
+        check_sum_of_ones(&SingleRank, &cpu).unwrap();
+        check_sum_of_ones(&Answers(2.0), &cpu).unwrap();
+        let err = check_sum_of_ones(&Answers(1.0), &cpu).unwrap_err().to_string();
+        assert!(err.contains("communicator check") && err.contains("over 2 ranks gave [1.0"), "{err}");
+    }
 }

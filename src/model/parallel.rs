@@ -33,9 +33,15 @@ impl TpGroup {
         Self::new(Arc::new(crate::comm::SingleRank))
     }
 
+    /// Whether collectives are skipped: a group of one, unless `TPSERVE_TP1_COLLECTIVES` asks
+    /// for them to run through the communicator anyway.
+    pub fn skips_collectives(&self) -> bool {
+        self.world_size == 1 && !crate::comm::collectives_at_tp1()
+    }
+
     /// Sums partial results of every rank. Communicates in the tensor's dtype.
     pub fn all_reduce(&self, tensor: &Tensor) -> Result<Tensor> {
-        if self.world_size == 1 {
+        if self.skips_collectives() {
             return Ok(tensor.clone());
         }
         Ok(self.comm.all_reduce_sum(tensor)?)
@@ -324,7 +330,7 @@ impl ParallelLmHead {
     /// hidden [n, hidden] -> full logits [n, vocab] in f32 on the sampling rank, None elsewhere.
     pub fn forward(&self, hidden: &Tensor) -> Result<Option<Tensor>> {
         let local = linear(hidden, &self.weight, None)?.to_dtype(DType::F32)?;
-        if self.group.world_size == 1 {
+        if self.group.skips_collectives() {
             return Ok(Some(local));
         }
         Ok(self.group.comm.gather(&local, 1, self.sampling_rank)?)

@@ -114,7 +114,7 @@ fn argmax(logits: &[f32], suppressed: &[u32]) -> u32 {
 
 fn broadcast_token(model: &Model, token: Option<u32>) -> Result<u32> {
     let group = model.group();
-    if group.world_size == 1 {
+    if group.skips_collectives() {
         return token.context("the single rank produced no logits");
     }
     let value = Tensor::new(&[token.unwrap_or(0) as f32], &candle_core::Device::Cpu)?;

@@ -220,8 +220,13 @@ impl Worker {
         };
         let started = Instant::now();
         let comm = self.join(&request, rendezvous, init_timeout)?;
+        let backend = if self.config.device.is_cuda() { "nccl" } else { "socket" };
+        crate::comm::check_sum_of_ones(comm.as_ref(), &self.config.device).map_err(|err| {
+            comm.abort();
+            Error::collective(format!("rank {rank}: the {backend} communicator failed its check at Init: {err}"))
+        })?;
         let comm: Arc<dyn Collective> = Arc::new(crate::comm::timed::TimedCollective::new(comm, self.config.metrics.clone()));
-        tracing::info!(rank, world_size, epoch = request.epoch, elapsed = ?started.elapsed(), "joined communicator");
+        tracing::info!(rank, world_size, epoch = request.epoch, backend, elapsed = ?started.elapsed(), "joined communicator (checked)");
         self.group = Some(TpGroup::new(comm.clone()));
         let mut shared = self.shared();
         shared.initialized = true;

@@ -234,6 +234,14 @@ impl SocketCollective {
 
 }
 
+impl SocketCollective {
+    /// A group of one passes tensors through unchanged, unless asked to run the operations
+    /// anyway ([`crate::comm::collectives_at_tp1`]).
+    fn skips_collectives(&self) -> bool {
+        self.world_size == 1 && !crate::comm::collectives_at_tp1()
+    }
+}
+
 impl Collective for SocketCollective {
     fn rank(&self) -> usize {
         self.rank
@@ -245,7 +253,7 @@ impl Collective for SocketCollective {
 
     fn all_reduce_sum(&self, tensor: &Tensor) -> CommResult<Tensor> {
         self.run("all_reduce_sum", |st| {
-            if self.world_size == 1 {
+            if self.skips_collectives() {
                 return Ok(tensor.clone());
             }
             let (host, back) = to_host(tensor)?;
@@ -255,7 +263,7 @@ impl Collective for SocketCollective {
 
     fn all_gather(&self, tensor: &Tensor, dim: usize) -> CommResult<Tensor> {
         self.run("all_gather", |st| {
-            if self.world_size == 1 {
+            if self.skips_collectives() {
                 return Ok(tensor.clone());
             }
             let (host, back) = to_host(tensor)?;
@@ -271,7 +279,7 @@ impl Collective for SocketCollective {
 
     fn gather(&self, tensor: &Tensor, dim: usize, root: usize) -> CommResult<Option<Tensor>> {
         self.run("gather", |st| {
-            if self.world_size == 1 {
+            if self.skips_collectives() {
                 return Ok(Some(tensor.clone()));
             }
             let (host, back) = to_host(tensor)?;
@@ -283,7 +291,7 @@ impl Collective for SocketCollective {
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> CommResult<Tensor> {
         self.run("broadcast", |st| {
-            if self.world_size == 1 {
+            if self.skips_collectives() {
                 return Ok(tensor.clone());
             }
             let (host, back) = to_host(tensor)?;
@@ -296,7 +304,7 @@ impl Collective for SocketCollective {
 
     fn barrier(&self) -> CommResult<()> {
         self.run("barrier", |st| {
-            if self.world_size == 1 {
+            if self.skips_collectives() {
                 Ok(())
             } else {
                 self.barrier_impl(st)
