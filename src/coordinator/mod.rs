@@ -1,6 +1,7 @@
 //! The coordinator: owns no device. It tokenizes, schedules, streams tokens to clients and
 //! drives the ranks (see docs/architecture.md).
 
+pub mod blocks;
 pub mod chat_template;
 pub mod detokenizer;
 pub mod engine;
@@ -30,6 +31,7 @@ use crate::model::config::{ModelConfig, generation_eos_ids};
 use crate::net::{Address, Listener};
 use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
+use blocks::PoolGeometry;
 use chat_template::ChatTemplate;
 use error::{Error, Kind};
 use engine::{Engine, ModelStats, NewRequest, SchedulerConfig};
@@ -91,8 +93,11 @@ pub struct ModelHandle {
     pub chat_template: Option<ChatTemplate>,
     pub eos_token_ids: Vec<u32>,
     pub max_context: usize,
-    /// KV cache tokens every rank can hold (the smallest rank's capacity)
+    /// KV cache tokens one sequence can hold (the smallest rank's pool, less a recurrent state)
     pub kv_capacity_tokens: usize,
+    /// the ranks' KV block pools
+    pub pool: PoolGeometry,
+    pub prefix_cache: bool,
     /// most requests waiting for admission before new ones are refused
     pub max_waiting: usize,
     pub stats: Arc<ModelStats>,
@@ -126,6 +131,15 @@ impl ModelHandle {
             steps_total: stats.steps_total.load(Ordering::Relaxed),
             step_overhead_us_p50: overhead.0,
             step_overhead_us_p99: overhead.1,
+            kv_block_size: self.pool.block_size as u32,
+            kv_blocks_total: self.pool.blocks as u64,
+            kv_blocks_used: stats.kv_blocks_used.load(Ordering::Relaxed),
+            kv_blocks_cached: stats.kv_blocks_cached.load(Ordering::Relaxed),
+            kv_blocks_reserved: stats.kv_blocks_reserved.load(Ordering::Relaxed),
+            kv_state_blocks: stats.kv_state_blocks.load(Ordering::Relaxed),
+            prefix_cache_enabled: self.prefix_cache,
+            prefix_cache_queries_total: stats.prefix_cache_queries.load(Ordering::Relaxed),
+            prefix_cache_hits_total: stats.prefix_cache_hits.load(Ordering::Relaxed),
         }
     }
 }
@@ -364,13 +378,16 @@ impl Coordinator {
         };
         let path_text = path.to_str().ok_or_else(|| Error::invalid("the model path is not valid UTF-8"))?;
         let info = self.supervisor.load(id, path_text, dtype).await?;
+        let pool = pool_geometry(&info);
         let (submit, requests) = mpsc::channel(1024);
         let handle = Arc::new(ModelHandle {
             id: id.to_owned(),
             path: path.to_owned(),
             dtype: info.dtype.clone(),
             max_context: local.config.max_position_embeddings,
-            kv_capacity_tokens: info.kv_capacity_tokens as usize,
+            kv_capacity_tokens: pool.max_sequence_tokens(),
+            pool,
+            prefix_cache: self.scheduler.prefix_cache,
             max_waiting: self.scheduler.max_waiting,
             config: local.config,
             tokenizer: local.tokenizer,
@@ -608,6 +625,18 @@ fn occupancy(cell: &tokio::sync::watch::Receiver<Option<Arc<Coordinator>>>) -> O
         total.kv_capacity_tokens += model.kv_capacity_tokens as u64;
     }
     total
+}
+
+/// The ranks' block pools as the coordinator counts them: a recurrent state takes as many
+/// blocks' worth of the budget as its bytes need.
+fn pool_geometry(info: &rank_pb::ShardInfo) -> PoolGeometry {
+    let state_units = info.recurrent_state_bytes.div_ceil(info.kv_block_bytes.max(1)) as usize;
+    PoolGeometry {
+        blocks: info.kv_blocks as usize,
+        block_size: (info.kv_block_size as usize).max(1),
+        state_units,
+        recurrent: info.recurrent_state_bytes > 0,
+    }
 }
 
 /// A model's id when none is given: its directory name.

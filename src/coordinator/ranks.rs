@@ -132,6 +132,7 @@ impl RankSet {
                 model_path: path.to_owned(),
                 dtype: dtype.to_owned(),
                 epoch,
+                kv_block_size: crate::model::paged::DEFAULT_BLOCK_SIZE as u32,
             };
             // A rank reports progress every 250 ms while it loads: silence means it is stuck or
             // gone, however long the whole load may take. A rank that cannot load the files
@@ -161,10 +162,17 @@ impl RankSet {
         reporter.abort();
         progress.finish(result.is_ok());
         let infos = result?;
-        // The group can only hold what its smallest rank can.
+        // The group can only hold what its smallest rank can; a recurrent state is counted in
+        // the smallest blocks, the largest state, so that it is never undercounted.
         let capacity = infos.iter().map(|i| i.kv_capacity_tokens).min().unwrap_or(0);
+        let blocks = infos.iter().map(|i| i.kv_blocks).min().unwrap_or(0);
+        let block_bytes = infos.iter().map(|i| i.kv_block_bytes).min().unwrap_or(0);
+        let state_bytes = infos.iter().map(|i| i.recurrent_state_bytes).max().unwrap_or(0);
         let mut first = infos.into_iter().next().ok_or_else(|| Error::internal("no ranks"))?;
         first.kv_capacity_tokens = capacity;
+        first.kv_blocks = blocks;
+        first.kv_block_bytes = block_bytes;
+        first.recurrent_state_bytes = state_bytes;
         Ok(first)
     }
 
