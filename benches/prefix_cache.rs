@@ -24,7 +24,7 @@ const USER_TOKENS: usize = 32;
 const REPLY_TOKENS: u32 = 32;
 
 /// Hidden 512, 8 layers, 8 query / 4 KV heads of 64, intermediate 1536, vocabulary 32000:
-/// about 48M parameters, so the cache-off run finishes in minutes on two cores.
+/// about 42M parameters, so the cache-off run finishes in minutes on two cores.
 const MODEL: support::Qwen3Shape =
     support::Qwen3Shape { hidden: 512, layers: 8, heads: 8, kv_heads: 4, head_dim: 64, intermediate: 1536, vocab: 32000 };
 
@@ -45,7 +45,7 @@ fn main() {
     let conversations = env_or("PREFIX_BENCH_CONVERSATIONS", 16);
     let turns = env_or("PREFIX_BENCH_TURNS", 8);
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("qwen3-48m");
+    let model = dir.path().join("qwen3-42m");
     let params = support::write_qwen3(&model, &MODEL);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("tpserve prefix-cache benchmark: Qwen3-shaped random model, {:.1}M parameters, f32, TP 1, {cores} cores", params as f64 / 1e6);
