@@ -73,7 +73,22 @@ fn conversation(name: &str) -> Vec<(pb::GenerateRequest, Option<usize>)> {
         // Another conversation diverging after the shared 40 tokens.
         (greedy(diverging(&long[..40], 50, 2), 8), None),
         (greedy(diverging(&long[..100], 20, 3), 8), None),
+        // Penalties on a hit must count the cached prompt tokens too (the ranks get them with
+        // the first step). Greedy: a seeded draw could flip on the last-bit differences that
+        // batching and chunking make, which are not what this checks.
+        (penalized(long.clone(), 16), None),
     ]
+}
+
+fn penalized(prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+    let mut request = greedy(prompt, max_tokens);
+    request.params = Some(pb::GenerationParams {
+        repetition_penalty: Some(1.5),
+        presence_penalty: Some(1.0),
+        frequency_penalty: Some(0.5),
+        ..request.params.unwrap_or_default()
+    });
+    request
 }
 
 /// The conversation on a server with the cache on and one with it off: identical ids, and the
