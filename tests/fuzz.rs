@@ -318,6 +318,7 @@ async fn rank_survives_random_steps() {
         dtype: "f32".into(),
         epoch: 1,
         kv_block_size: 16,
+        kv_blocks: 0,
     };
     let mut progress = client.load_shard(load).await.unwrap().into_inner();
     while let Some(message) = progress.message().await.unwrap() {

@@ -159,8 +159,9 @@ pub struct Supervisor {
     /// how long one recovery may take before in-flight requests are failed
     recovery_timeout: Duration,
     load_timeout: Duration,
-    /// (model id, path, dtype) of every loaded model, to reload after recovery
-    loaded: Mutex<Vec<(String, String, String)>>,
+    /// (model id, path, dtype, KV blocks) of every loaded model, to reload after recovery with
+    /// the pool its block ledger counts
+    loaded: Mutex<Vec<(String, String, String, u64)>>,
     /// set on SIGTERM: no new requests, health NOT_SERVING
     draining: AtomicBool,
 }
@@ -247,19 +248,19 @@ impl Supervisor {
 
     async fn load(&self, model_id: &str, path: &str, dtype: &str) -> Result<rank_pb::ShardInfo, Error> {
         let _guard = self.step_lock.lock().await;
-        let info = match self.ranks.load(model_id, path, dtype, self.epoch(), self.load_timeout).await {
+        let info = match self.ranks.load(model_id, path, dtype, self.epoch(), self.load_timeout, 0).await {
             Ok(info) => info,
             Err(err) => {
                 // Ranks that did load it must not keep a model the coordinator does not serve.
-                if !self.loaded.lock().await.iter().any(|(id, _, _)| id == model_id) {
+                if !self.loaded.lock().await.iter().any(|(id, ..)| id == model_id) {
                     let _ = self.ranks.unload(model_id).await;
                 }
                 return Err(err);
             }
         };
         let mut loaded = self.loaded.lock().await;
-        loaded.retain(|(id, _, _)| id != model_id);
-        loaded.push((model_id.to_owned(), path.to_owned(), dtype.to_owned()));
+        loaded.retain(|(id, ..)| id != model_id);
+        loaded.push((model_id.to_owned(), path.to_owned(), dtype.to_owned(), info.kv_blocks));
         Ok(info)
     }
 
@@ -335,9 +336,9 @@ impl Supervisor {
         // Short per attempt: a rank that is hung now may be back for the next attempt.
         self.bootstrap(self.init_timeout.min(Duration::from_secs(15))).await?;
         let models = self.loaded.lock().await.clone();
-        for (id, path, dtype) in models {
+        for (id, path, dtype, kv_blocks) in models {
             let _guard = self.step_lock.lock().await;
-            self.ranks.load(&id, &path, &dtype, self.epoch(), self.load_timeout).await?;
+            self.ranks.load(&id, &path, &dtype, self.epoch(), self.load_timeout, kv_blocks).await?;
         }
         Ok(())
     }
@@ -443,7 +444,7 @@ impl Coordinator {
     pub async fn unload_model(&self, id: &str) -> Result<bool, Error> {
         let _admin = self.admin.lock().await;
         let Some(model) = self.models.write().await.remove(id) else { return Ok(false) };
-        self.supervisor.loaded.lock().await.retain(|(loaded, _, _)| loaded != id);
+        self.supervisor.loaded.lock().await.retain(|(loaded, ..)| loaded != id);
         {
             let mut default = self.default_model.write().await;
             if default.as_deref() == Some(id) {

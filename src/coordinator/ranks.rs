@@ -120,6 +120,7 @@ impl RankSet {
         dtype: &str,
         epoch: u64,
         load_timeout: Duration,
+        kv_blocks: u64,
     ) -> Result<pb::ShardInfo, Error> {
         let progress = Arc::new(LoadMeter::new(self.world_size()));
         let reporter = tokio::spawn(progress.clone().report(path.to_owned()));
@@ -133,6 +134,7 @@ impl RankSet {
                 dtype: dtype.to_owned(),
                 epoch,
                 kv_block_size: crate::model::paged::DEFAULT_BLOCK_SIZE as u32,
+                kv_blocks,
             };
             // A rank reports progress every 250 ms while it loads: silence means it is stuck or
             // gone, however long the whole load may take. A rank that cannot load the files

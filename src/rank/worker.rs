@@ -280,7 +280,18 @@ impl Worker {
             size => size as usize,
         };
         let mut info = shard_info(&model, block_size);
-        info.kv_blocks = self.kv_blocks(info.kv_block_bytes, group.world_size);
+        let budget_blocks = self.kv_blocks(info.kv_block_bytes, group.world_size);
+        // A reload keeps the pool the coordinator's ledger counts (block storage is allocated
+        // as it is written, so only blocks in use take memory).
+        info.kv_blocks = match request.kv_blocks {
+            0 => budget_blocks,
+            asked => {
+                if asked > budget_blocks {
+                    tracing::warn!(asked, budget_blocks, "reloading with the block pool the coordinator counts, above this rank's budget now");
+                }
+                asked
+            }
+        };
         info.kv_capacity_tokens = info.kv_blocks * block_size as u64;
         tracing::info!(model = %request.model_id, path = %path.display(), dtype = %info.dtype, weight_bytes = info.weight_bytes, kv_blocks = info.kv_blocks, block_size, elapsed = ?started.elapsed(), "shard loaded");
         // Replacing a model drops its old caches with it.
