@@ -39,11 +39,6 @@ impl BlockPool {
         self.num_blocks
     }
 
-    /// Blocks whose storage has been allocated (the most any layer has), for diagnostics.
-    pub fn allocated_blocks(&self) -> usize {
-        self.layers.iter().map(|l| l.blocks.iter().filter(|b| b.is_some()).count()).max().unwrap_or(0)
-    }
-
     /// Refuses a table that names a block outside the pool or does not cover `positions`.
     pub fn check_table(&self, table: &[u32], positions: usize) -> Result<()> {
         if let Some(bad) = table.iter().find(|&&b| b as usize >= self.num_blocks) {
