@@ -67,6 +67,9 @@ pub struct CoordinatorMetrics {
     pub e2e_request_latency: Histogram,
     pub prompt_tokens: AtomicU64,
     pub generation_tokens: AtomicU64,
+    /// prompt tokens looked up in the prefix cache, and those found there (vLLM's names)
+    pub prefix_cache_queries: AtomicU64,
+    pub prefix_cache_hits: AtomicU64,
     failures: Mutex<BTreeMap<&'static str, u64>>,
 }
 
@@ -87,6 +90,8 @@ impl CoordinatorMetrics {
             e2e_request_latency: Histogram::new(LATENCY_BUCKETS),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            prefix_cache_queries: AtomicU64::new(0),
+            prefix_cache_hits: AtomicU64::new(0),
             failures: Mutex::new(BTreeMap::new()),
         }
     }
@@ -111,6 +116,18 @@ impl CoordinatorMetrics {
         render_gauge(&mut out, "tpserve:kv_cache_usage_perc", "Fraction of KV cache capacity reserved (0 to 1).", usage);
         render_counter(&mut out, "tpserve:prompt_tokens", "Prompt tokens admitted.", self.prompt_tokens.load(Ordering::Relaxed));
         render_counter(&mut out, "tpserve:generation_tokens", "Tokens generated.", self.generation_tokens.load(Ordering::Relaxed));
+        render_counter(
+            &mut out,
+            "tpserve:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            self.prefix_cache_queries.load(Ordering::Relaxed),
+        );
+        render_counter(
+            &mut out,
+            "tpserve:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            self.prefix_cache_hits.load(Ordering::Relaxed),
+        );
         let _ = writeln!(
             out,
             "# HELP tpserve:request_failure Requests that ended without finishing, by reason.\n# TYPE tpserve:request_failure counter"

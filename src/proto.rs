@@ -19,7 +19,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 pub const LIVENESS_SERVICE: &str = "liveness";
 
 /// The rank protocol version. Bumped on any incompatible change to rank.proto.
-pub const RANK_PROTOCOL_VERSION: u32 = 1;
+pub const RANK_PROTOCOL_VERSION: u32 = 2;
 
 /// Server reflection (v1 and v1alpha) advertising exactly `services`, with the descriptors of
 /// tpserve, grpc.health.v1 and reflection itself, so clients can call every advertised service.

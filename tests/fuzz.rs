@@ -319,6 +319,8 @@ async fn rank_survives_random_steps() {
         dtype: "f32".into(),
         epoch: 1,
         quantize: String::new(),
+        kv_block_size: 16,
+        kv_blocks: 0,
     };
     let mut progress = client.load_shard(load).await.unwrap().into_inner();
     while let Some(message) = progress.message().await.unwrap() {
@@ -333,8 +335,19 @@ async fn rank_survives_random_steps() {
         let sequences = (0..1 + rng.below(4))
             .map(|_| {
                 let params = random_params(&mut rng);
+                let seq_id = rng.below(6);
+                // Each sequence its own 40 blocks (640 positions); sometimes a table that is too
+                // short or names a block outside any pool.
+                let mut block_table: Vec<u32> = (0..40).map(|b| (seq_id * 40 + b) as u32).collect();
+                if rng.chance(5) {
+                    block_table.truncate(rng.below(4) as usize);
+                }
+                if rng.chance(3) {
+                    block_table.push(u32::MAX);
+                }
                 rank_pb::SequenceStep {
-                    seq_id: rng.below(6),
+                    seq_id,
+                    block_table,
                     token_ids: rng.ids().into_iter().take(300).collect(),
                     start_pos: if rng.chance(70) { 0 } else { rng.next() as u32 % 5000 },
                     prompt_len: rng.next() as u32 % 400,
@@ -352,6 +365,7 @@ async fn rank_survives_random_steps() {
                         logprobs: params.logprobs,
                         suppressed_token_ids: (0..rng.below(3)).map(|_| rng.next() as u32).collect(),
                     }),
+                    ..Default::default()
                 }
             })
             .collect();
@@ -360,6 +374,7 @@ async fn rank_survives_random_steps() {
             step: case as u64,
             epoch: if rng.chance(5) { 7 } else { 1 },
             sequences,
+            dropped_snapshots: if rng.chance(5) { vec![rng.next() as u32] } else { Vec::new() },
         };
         match client.generate_step(request).await {
             Ok(_) => ok += 1,
@@ -379,9 +394,17 @@ async fn rank_survives_random_steps() {
         model_id: "m".into(),
         step,
         epoch: 1,
+        dropped_snapshots: Vec::new(),
         sequences: sequences
             .into_iter()
-            .map(|(start_pos, len)| rank_pb::SequenceStep { seq_id: 77, token_ids: vec![5; len], start_pos, sample: false, ..Default::default() })
+            .map(|(start_pos, len)| rank_pb::SequenceStep {
+                seq_id: 77,
+                token_ids: vec![5; len],
+                start_pos,
+                sample: false,
+                block_table: (0..4).collect(),
+                ..Default::default()
+            })
             .collect(),
     };
     client.generate_step(step(9_000, vec![(0, 50)])).await.unwrap();
@@ -408,7 +431,10 @@ async fn rank_survives_random_steps() {
                 prompt_len: prompt.ids.len() as u32,
                 sample: true,
                 sampling: Some(greedy.clone()),
+                block_table: (0..tokens.len().div_ceil(16) as u32).collect(),
+                ..Default::default()
             }],
+            ..Default::default()
         };
         let response = client.generate_step(request).await.unwrap().into_inner();
         fed = tokens.len();

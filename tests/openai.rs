@@ -241,7 +241,11 @@ async fn greedy_output_is_the_same_through_grpc_and_http() {
         let choice = &response["choices"][0];
         assert_eq!(choice["text"], text.as_str());
         let got: Vec<f32> = choice["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
-        assert_eq!(got, logprobs, "the same tokens have the same logprobs");
+        // The second request reuses the first one's cached prompt blocks (prefix caching), so its
+        // logprobs come from a prefill of the rest alone: equal within float rounding, not bits.
+        assert_eq!(got.len(), logprobs.len());
+        let diff = common::max_abs_diff(&got, &logprobs);
+        assert!(diff < 1e-4, "the same tokens have the same logprobs: {got:?} vs {logprobs:?} differ by {diff}");
         assert_eq!(response["usage"]["completion_tokens"], max);
     }
 }

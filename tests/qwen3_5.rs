@@ -18,6 +18,7 @@ use serde_json::{Value, json};
 use tpserve::comm::{Collective, CommResult};
 use tpserve::model::loader::LoadProgress;
 use tpserve::model::parallel::TpGroup;
+use tpserve::model::paged::{BlockPool, contiguous_table};
 use tpserve::model::{CacheStore, LoadOptions, Model, SequenceInput};
 use tpserve::rank::offline::PromptResult;
 
@@ -141,13 +142,11 @@ fn a_step_makes_two_all_reduces_per_layer() {
         let model = Model::load(&common::fixture(name), &group, &options, Arc::new(LoadProgress::default())).unwrap();
         let layers = model.config().num_hidden_layers;
         let ids = &common::expected(name)[2].ids;
-        let mut store = CacheStore::default();
+        let mut store = CacheStore::new(BlockPool::new(32, 16));
+        let (first, second) = (contiguous_table(0, 112, 16), contiguous_table(16, 32, 16));
         for batch in [
-            vec![SequenceInput { seq_id: 1, tokens: &ids[..100], start_pos: 0, sample: true }],
-            vec![
-                SequenceInput { seq_id: 1, tokens: &ids[100..101], start_pos: 100, sample: true },
-                SequenceInput { seq_id: 2, tokens: &ids[..30], start_pos: 0, sample: false },
-            ],
+            vec![SequenceInput::new(1, &ids[..100], 0, true, &first)],
+            vec![SequenceInput::new(1, &ids[100..101], 100, true, &first), SequenceInput::new(2, &ids[..30], 0, false, &second)],
         ] {
             counter.0.store(0, Ordering::SeqCst);
             model.step(&batch, &mut store).unwrap();
@@ -195,7 +194,9 @@ fn batched_steps_match_reference() {
         let mut fed = vec![0usize; expected.len()];
         let mut generated: Vec<Vec<u32>> = vec![Vec::new(); expected.len()];
         let mut last_logits: Vec<Option<Vec<f32>>> = vec![None; expected.len()];
-        let mut store = CacheStore::default();
+        // Each sequence its own 64 blocks.
+        let tables: Vec<Vec<u32>> = (0..expected.len()).map(|i| contiguous_table(i as u32 * 64, 1024, 16)).collect();
+        let mut store = CacheStore::new(BlockPool::new(64 * expected.len(), 16));
         while generated.iter().any(|g| g.len() < NEW_TOKENS) {
             let mut batch = Vec::new();
             let mut owners = Vec::new();
@@ -210,7 +211,7 @@ fn batched_steps_match_reference() {
                 };
                 let start_pos = fed[i];
                 let sample = start_pos + tokens.len() >= prompt.ids.len();
-                batch.push(SequenceInput { seq_id: i as u64 + 1, tokens, start_pos, sample });
+                batch.push(SequenceInput::new(i as u64 + 1, tokens, start_pos, sample, &tables[i]));
                 if sample {
                     owners.push(i);
                 }
@@ -253,10 +254,9 @@ fn argmax_except(logits: &[f32], banned: u32) -> u32 {
 fn recurrent_state_rewinds_only_to_the_start() {
     let (model, _) = load_in_process(&common::fixture("qwen3_5_dense"));
     let ids = &common::expected("qwen3_5_dense")[0].ids;
-    let mut store = CacheStore::default();
-    let step = |store: &mut CacheStore, start: usize| {
-        model.step(&[SequenceInput { seq_id: 7, tokens: &ids[start..], start_pos: start, sample: true }], store)
-    };
+    let table = contiguous_table(0, ids.len(), 16);
+    let mut store = CacheStore::new(BlockPool::new(table.len(), 16));
+    let step = |store: &mut CacheStore, start: usize| model.step(&[SequenceInput::new(7, &ids[start..], start, true, &table)], store);
     let first = step(&mut store, 0).unwrap().unwrap().to_vec2::<f32>().unwrap();
     let err = format!("{:#}", step(&mut store, 5).unwrap_err());
     assert!(err.contains("cannot be rewound") && err.contains("sequence 7"), "{err}");

@@ -128,16 +128,17 @@ async fn deadlines_are_honoured() {
     }
 }
 
-/// The ranks report their KV capacity; the scheduler never reserves beyond it, queues what does
-/// not fit yet, and refuses what can never fit.
+/// The ranks report their KV capacity in whole blocks; the scheduler never reserves beyond it,
+/// queues what does not fit yet, and refuses what can never fit.
 #[tokio::test(flavor = "multi_thread")]
 async fn kv_capacity_is_reported_and_respected() {
-    // qwen3_a at TP 2: 4 layers x (k + v) x 2 KV heads x 16 x 4 bytes = 1024 bytes per token.
+    // qwen3_a at TP 2: 4 layers x (k + v) x 2 KV heads x 16 x 4 bytes = 1024 bytes per token,
+    // 16 KiB per block of 16 positions: a budget of 300 tokens holds 18 blocks, 288 tokens.
     let budget_gib = format!("{}", 300.0 * 1024.0 / (1u64 << 30) as f64);
     let server = common::Served::start_with("qwen3_a", 2, &["--kv-cache-gib", &budget_gib, "--max-batch-size", "8"]);
     let mut info_client = client(&server.address).await;
     let info = info_client.model_info(pb::ModelInfoRequest::default()).await.unwrap().into_inner();
-    assert_eq!(info.kv_capacity_tokens, 300, "{info:?}");
+    assert_eq!((info.kv_capacity_tokens, info.kv_blocks_total, info.kv_block_size), (288, 18, 16), "{info:?}");
 
     let too_big = pb::GenerateRequest {
         prompt_ids: vec![5; 100],
@@ -170,5 +171,5 @@ async fn kv_capacity_is_reported_and_respected() {
     for task in tasks {
         assert_eq!(task.await.unwrap().len(), 160);
     }
-    assert!(peak <= 300);
+    assert!(peak <= 288);
 }

@@ -49,6 +49,7 @@ pub async fn run() -> Result<ExitCode> {
         max_chat_messages: 1024,
         max_stop_sequences: 64,
         max_stop_bytes: 256,
+        prefix_cache: super::Switch::On,
         stream_buffer: 512,
         load_timeout_secs: 600,
     };

@@ -21,6 +21,7 @@ use crate::comm::Collective;
 use crate::comm::socket::{self, CommId, SocketCollective, SocketOptions};
 use crate::model::loader::LoadProgress;
 use crate::model::parallel::TpGroup;
+use crate::model::paged::{BlockPool, DEFAULT_BLOCK_SIZE, contiguous_table};
 use crate::model::{CacheStore, LoadOptions, Model, SequenceInput};
 use crate::rank::offline::{self, PromptResult};
 
@@ -171,9 +172,14 @@ fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usi
     // Any fixed ids do: the speed does not depend on them.
     let prompt: Vec<u32> = (0..args.bench_prompt_len.max(1)).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
     let seq_ids: Vec<u64> = (0..batch as u64).map(|b| first_seq + b).collect();
-    let mut store = CacheStore::default();
+    // Each sequence gets its own run of blocks, long enough for the whole benchmark.
+    let positions = prompt.len() + args.bench_warmup + args.bench_steps;
+    let per_sequence = positions.div_ceil(DEFAULT_BLOCK_SIZE);
+    let tables: Vec<Vec<u32>> =
+        (0..batch).map(|b| contiguous_table((b * per_sequence) as u32, positions, DEFAULT_BLOCK_SIZE)).collect();
+    let mut store = CacheStore::new(BlockPool::new(batch * per_sequence, DEFAULT_BLOCK_SIZE));
     let prefill: Vec<SequenceInput<'_>> =
-        seq_ids.iter().map(|&seq_id| SequenceInput { seq_id, tokens: &prompt, start_pos: 0, sample: true }).collect();
+        seq_ids.iter().zip(&tables).map(|(&seq_id, table)| SequenceInput::new(seq_id, &prompt, 0, true, table)).collect();
     let mut tokens = next_tokens(comm, model.step(&prefill, &mut store)?, batch)?;
     let (mut seconds, mut steps) = (0.0, 0);
     for step in 0..args.bench_warmup + args.bench_steps {
@@ -182,7 +188,8 @@ fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usi
         let inputs: Vec<SequenceInput<'_>> = seq_ids
             .iter()
             .zip(&feed)
-            .map(|(&seq_id, token)| SequenceInput { seq_id, tokens: token, start_pos: prompt.len() + step, sample: true })
+            .zip(&tables)
+            .map(|((&seq_id, token), table)| SequenceInput::new(seq_id, token, prompt.len() + step, true, table))
             .collect();
         // next_tokens reads the result on the host, so the time covers the device's work.
         tokens = next_tokens(comm, model.step(&inputs, &mut store)?, batch)?;

@@ -227,6 +227,17 @@ pub struct SchedulerArgs {
     /// Seconds loading a model on the ranks may take in all (a rank silent for 60 s fails sooner)
     #[arg(long, default_value_t = 1800)]
     pub load_timeout_secs: u64,
+    /// Automatic prefix caching: reuse the KV blocks (and Gated DeltaNet state) of a prompt
+    /// prefix another request already computed
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub prefix_cache: Switch,
+}
+
+/// An on/off flag value.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Switch {
+    On,
+    Off,
 }
 
 impl SchedulerArgs {
@@ -239,6 +250,7 @@ impl SchedulerArgs {
             max_batch_tokens: self.max_batch_tokens,
             prefill_chunk: self.prefill_chunk,
             max_waiting: self.max_waiting,
+            prefix_cache: self.prefix_cache == Switch::On,
             ..SchedulerConfig::default()
         })
     }

@@ -17,6 +17,11 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 
+mod admission;
+
+use admission::Prefix;
+
+use super::blocks::{BlockManager, SeqBlocks};
 use super::detokenizer::IncrementalDecoder;
 use super::error::{Error, Kind};
 use super::ranks::{RankFailure, StepError};
@@ -58,6 +63,8 @@ pub struct SchedulerConfig {
     /// step deadline: base plus a per-token allowance, so a long prefill is not mistaken for a hang
     pub step_timeout_base: Duration,
     pub step_timeout_per_token: Duration,
+    /// automatic prefix caching (--prefix-cache)
+    pub prefix_cache: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -69,6 +76,7 @@ impl Default for SchedulerConfig {
             max_waiting: 256,
             step_timeout_base: Duration::from_secs(10),
             step_timeout_per_token: Duration::from_millis(50),
+            prefix_cache: true,
         }
     }
 }
@@ -81,8 +89,16 @@ pub struct ModelStats {
     pub sequences_freed_total: AtomicU64,
     pub active_sequences: AtomicU64,
     pub kv_cached_tokens: AtomicU64,
-    /// KV tokens promised to admitted sequences (prompt + max_tokens each)
+    /// KV tokens of the blocks committed to admitted sequences (prompt + max_tokens each,
+    /// shared prefix blocks counted once)
     pub kv_reserved_tokens: AtomicU64,
+    pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_cached: AtomicU64,
+    pub kv_blocks_reserved: AtomicU64,
+    pub kv_state_blocks: AtomicU64,
+    /// prompt tokens looked up in the prefix cache, and those found
+    pub prefix_cache_queries: AtomicU64,
+    pub prefix_cache_hits: AtomicU64,
     /// requests queued but not admitted; the service increments it, the engine decrements
     pub waiting: AtomicU64,
     pub steps_total: AtomicU64,
@@ -124,8 +140,12 @@ struct Sequence {
     /// when the last token was streamed (None before the first)
     last_token_at: Option<Instant>,
     deadline: Option<Instant>,
-    /// KV tokens reserved for this sequence at admission
-    reserved: usize,
+    /// its KV blocks; None while it waits to be re-admitted after a new epoch
+    blocks: Option<SeqBlocks>,
+    /// the prefix-cache hit it was admitted with
+    prefix: Prefix,
+    /// a snapshot the step in flight takes, until that step succeeds
+    pending_snapshot: Option<u32>,
     /// times this sequence was re-prefilled after a rank failure
     resumes: u32,
     /// prompt followed by generated tokens
@@ -144,6 +164,11 @@ struct Sequence {
 impl Sequence {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Positions the ranks may ever hold for it.
+    fn reservation(&self) -> usize {
+        self.prompt_len + self.max_tokens
     }
 }
 
@@ -167,8 +192,8 @@ pub struct Engine {
     running: Vec<Sequence>,
     next_seq_id: u64,
     step: u64,
-    /// KV tokens promised to running sequences; never above `model.kv_capacity_tokens`
-    reserved: usize,
+    /// the ranks' KV blocks: reservations, block tables, the prefix cache
+    blocks: BlockManager,
     /// the communicator epoch the running sequences' caches live in
     cache_epoch: u64,
 }
@@ -182,6 +207,9 @@ impl Engine {
     ) -> Self {
         let unloading = model.unloading.subscribe();
         let cache_epoch = supervisor.epoch();
+        // Prefix keys include the model's files and dtype: another model never matches.
+        let key = format!("{}\0{}\0{}", model.id, model.path.display(), model.dtype);
+        let blocks = BlockManager::new(model.pool, model.prefix_cache, &key);
         Self {
             model,
             supervisor,
@@ -192,7 +220,7 @@ impl Engine {
             running: Vec::new(),
             next_seq_id: 1,
             step: 0,
-            reserved: 0,
+            blocks,
             cache_epoch,
         }
     }
@@ -230,6 +258,11 @@ impl Engine {
             }
             self.follow_epoch();
             let plan = self.plan_step();
+            if plan.is_empty() {
+                // Every running sequence waits for blocks (after an epoch) or failed planning.
+                tokio::task::yield_now().await;
+                continue;
+            }
             match self.run_step(&plan).await {
                 Ok(()) | Err(StepError::StaleEpoch) => {}
                 Err(StepError::Refused(failure)) => self.isolate_refusal(plan, failure).await,
@@ -237,63 +270,6 @@ impl Engine {
                 Err(StepError::Unavailable(reason)) => self.fail_running(&Error::unavailable(reason)),
             }
         }
-    }
-
-    /// Admits waiting requests in arrival order while the batch and the KV capacity allow.
-    /// Each admitted sequence reserves prompt + max_tokens tokens, so a running sequence can
-    /// never run out of cache mid-generation.
-    fn admit(&mut self) {
-        let capacity = self.model.kv_capacity_tokens;
-        while self.running.len() < self.config.max_batch_sequences {
-            let Some(front) = self.waiting.front() else { break };
-            let need = front.prompt_ids.len() + front.max_tokens;
-            if !front.responses.is_closed() && self.reserved + need > capacity {
-                break;
-            }
-            let Some(request) = self.waiting.pop_front() else { break };
-            self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            if request.responses.is_closed() {
-                self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            self.reserved += need;
-            let seq_id = self.next_seq_id;
-            self.next_seq_id += 1;
-            // ignore_eos as vLLM means it: EOS does not end the sequence, but it is not
-            // suppressed either, so the model's distribution (and its logprobs) stay untouched.
-            let sampling = request.sampling;
-            self.model.metrics.prompt_tokens.fetch_add(request.prompt_ids.len() as u64, Ordering::Relaxed);
-            drop(request.queue_span);
-            let prefill_span = tracing::info_span!(parent: &request.span, "prefill", prompt_tokens = request.prompt_ids.len());
-            self.running.push(Sequence {
-                seq_id,
-                span: request.span,
-                prefill_span: Some(prefill_span),
-                arrived: request.arrived,
-                last_token_at: None,
-                deadline: request.deadline,
-                reserved: need,
-                resumes: 0,
-                prompt_len: request.prompt_ids.len(),
-                decoder: IncrementalDecoder::new(self.model.tokenizer.clone(), &request.prompt_ids),
-                tokens: request.prompt_ids,
-                processed: 0,
-                max_tokens: request.max_tokens,
-                ignore_eos: request.ignore_eos,
-                sampling,
-                stop: StopMatcher::with_set(request.stop),
-                responses: request.responses,
-            });
-        }
-        self.publish_occupancy();
-    }
-
-    fn publish_occupancy(&self) {
-        let stats = &self.model.stats;
-        stats.active_sequences.store(self.running.len() as u64, Ordering::Relaxed);
-        stats.kv_reserved_tokens.store(self.reserved as u64, Ordering::Relaxed);
-        let cached: usize = self.running.iter().map(|s| s.processed).sum();
-        stats.kv_cached_tokens.store(cached as u64, Ordering::Relaxed);
     }
 
     /// Ends waiting requests whose deadline passed.
@@ -308,19 +284,6 @@ impl Engine {
             self.model.stats.requests_cancelled_total.fetch_add(1, Ordering::Relaxed);
             request.responses.fail(Error::new(Kind::Deadline, "the request's deadline passed while it waited for admission"));
         }
-    }
-
-    /// The queue's head needs more KV cache than the ranks hold in total.
-    fn refuse_unfittable(&mut self) {
-        let Some(mut request) = self.waiting.pop_front() else { return };
-        self.model.stats.waiting.fetch_sub(1, Ordering::Relaxed);
-        let need = request.prompt_ids.len() + request.max_tokens;
-        self.model.metrics.failure("kv_capacity");
-        request.responses.fail(Error::capacity(format!(
-            "the request needs {need} tokens of KV cache (prompt plus max_tokens) but the ranks hold {}; \
-             lower max_tokens or shorten the prompt",
-            self.model.kv_capacity_tokens
-        )));
     }
 
     /// Ends every queued and running request: the model is being unloaded. Its caches go with
@@ -344,7 +307,7 @@ impl Engine {
             seq.responses.fail(status.clone());
         }
         self.running.clear();
-        self.reserved = 0;
+        self.blocks.reset();
         self.publish_occupancy();
     }
 
@@ -368,54 +331,20 @@ impl Engine {
                 seq.responses.fail(Error::new(Kind::Deadline, "the request's deadline passed"));
             }
         }
-        self.release(&ended);
+        self.release(&mut ended);
         self.free(ended.iter().map(|s| s.seq_id).collect()).await;
-    }
-
-    fn release(&mut self, ended: &[Sequence]) {
-        self.reserved -= ended.iter().map(|s| s.reserved).sum::<usize>();
-        self.publish_occupancy();
-    }
-
-    /// Builds the next step: decodes first (they are cheap and latency-critical), then prefill
-    /// chunks within the token budget.
-    fn plan_step(&self) -> Vec<rank_pb::SequenceStep> {
-        let mut budget = self.config.max_batch_tokens;
-        let mut prefill_budget = self.config.prefill_chunk;
-        let mut steps = Vec::with_capacity(self.running.len());
-        let decoding = self.running.iter().filter(|s| s.processed >= s.prompt_len);
-        let prefilling = self.running.iter().filter(|s| s.processed < s.prompt_len);
-        for seq in decoding.chain(prefilling) {
-            let pending = seq.tokens.len() - seq.processed;
-            let prefill = seq.processed < seq.prompt_len;
-            let take = if prefill { pending.min(prefill_budget) } else { pending }.min(budget);
-            if take == 0 {
-                continue;
-            }
-            budget -= take;
-            if prefill {
-                prefill_budget -= take;
-            }
-            steps.push(rank_pb::SequenceStep {
-                seq_id: seq.seq_id,
-                token_ids: seq.tokens[seq.processed..seq.processed + take].to_vec(),
-                start_pos: seq.processed as u32,
-                prompt_len: seq.prompt_len as u32,
-                sample: seq.processed + take == seq.tokens.len(),
-                sampling: Some(seq.sampling.clone()),
-            });
-        }
-        steps
     }
 
     async fn run_step(&mut self, sequences: &[rank_pb::SequenceStep]) -> Result<(), StepError> {
         let tokens: usize = sequences.iter().map(|s| s.token_ids.len()).sum();
         self.step += 1;
+        let dropped = self.blocks.take_dropped();
         let request = rank_pb::GenerateStepRequest {
             model_id: self.model.id.clone(),
             step: self.step,
             epoch: self.cache_epoch,
             sequences: sequences.to_vec(),
+            dropped_snapshots: dropped.clone(),
         };
         let deadline = self.config.step_timeout_base + self.config.step_timeout_per_token * tokens as u32;
         let started = Instant::now();
@@ -426,7 +355,14 @@ impl Engine {
             .filter_map(|planned| self.running.iter().find(|s| s.seq_id == planned.seq_id).map(|seq| (planned, seq)))
             .map(|(planned, seq)| tracing::info_span!(parent: &seq.span, "step", step = self.step, tokens = planned.token_ids.len()))
             .collect();
-        let response = self.supervisor.step(request, deadline, step_spans.first()).await?;
+        let response = match self.supervisor.step(request, deadline, step_spans.first()).await {
+            Ok(response) => response,
+            Err(err) => {
+                // Not dropped yet: a refused step changes nothing on the ranks.
+                self.blocks.requeue_dropped(dropped);
+                return Err(err);
+            }
+        };
         drop(step_spans);
         let round_trip = started.elapsed();
         let overhead_us = round_trip.as_secs_f64() * 1e6 - response.compute_micros as f64;
@@ -435,6 +371,14 @@ impl Engine {
         for planned in sequences {
             if let Some(seq) = self.running.iter_mut().find(|s| s.seq_id == planned.seq_id) {
                 seq.processed += planned.token_ids.len();
+                if let (false, Some(id)) = (seq.prefix.on_ranks, seq.prefix.restore) {
+                    self.blocks.restored(id);
+                }
+                seq.prefix.on_ranks = true;
+                seq.pending_snapshot = None;
+                if let Some(blocks) = seq.blocks.as_mut() {
+                    self.blocks.register(blocks, &seq.tokens, seq.processed);
+                }
             }
         }
         let mut finished = Vec::new();
@@ -453,7 +397,7 @@ impl Engine {
             }
             finished.push(self.running.swap_remove(index));
         }
-        self.release(&finished);
+        self.release(&mut finished);
         if !finished.is_empty() {
             self.free(finished.iter().map(|s| s.seq_id).collect()).await;
         }
@@ -565,8 +509,8 @@ impl Engine {
         tracing::warn!(seq_id, %failure, "the ranks refused a request; failing it alone");
         self.model.metrics.failure("rank_refused");
         seq.responses.fail(Error::from_rank(&format!("rank {} refused the request", failure.rank), &failure.status));
-        self.release(std::slice::from_ref(&seq));
-        if seq.processed > 0 {
+        self.release(std::slice::from_mut(&mut seq));
+        if seq.prefix.on_ranks {
             self.free(vec![seq.seq_id]).await;
         }
     }
@@ -586,13 +530,12 @@ impl Engine {
     }
 
     fn fail_running(&mut self, error: &Error) {
-        for seq in &mut self.running {
+        let mut failed = std::mem::take(&mut self.running);
+        for seq in &mut failed {
             self.model.metrics.failure("rank_failure");
             seq.responses.fail(error.clone());
         }
-        self.running.clear();
-        self.reserved = 0;
-        self.publish_occupancy();
+        self.release(&mut failed);
     }
 
     /// After the group moved to a new epoch (this model's failure or another's, or the
@@ -606,6 +549,8 @@ impl Engine {
             return;
         }
         self.cache_epoch = epoch;
+        // The ranks dropped every cache and snapshot with the old epoch.
+        self.blocks.reset();
         let (resumable, mut exhausted): (Vec<Sequence>, Vec<Sequence>) =
             std::mem::take(&mut self.running).into_iter().partition(|s| s.processed == 0 || s.resumes < MAX_RESUMES);
         for seq in &mut exhausted {
@@ -615,14 +560,21 @@ impl Engine {
                 format!("generation was interrupted by rank failures {MAX_RESUMES} times; giving up"),
             ));
         }
-        self.release(&exhausted);
+        drop(exhausted);
         self.running = resumable;
         let mut resumed = 0;
-        for seq in self.running.iter_mut().filter(|s| s.processed > 0) {
+        for seq in &mut self.running {
+            if seq.processed > 0 {
+                seq.resumes += 1;
+                resumed += 1;
+            }
+            // Blocks again (and a prefix hit, maybe) from `readmit`, before the next step.
             seq.processed = 0;
-            seq.resumes += 1;
-            resumed += 1;
+            seq.blocks = None;
+            seq.pending_snapshot = None;
+            seq.prefix = Prefix::default();
         }
+        self.readmit();
         tracing::info!(model = %self.model.id, epoch, resumed, "new communicator epoch; resuming sequences");
         self.publish_occupancy();
     }

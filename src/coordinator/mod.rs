@@ -1,6 +1,7 @@
 //! The coordinator: owns no device. It tokenizes, schedules, streams tokens to clients and
 //! drives the ranks (see docs/architecture.md).
 
+pub mod blocks;
 pub mod chat_template;
 pub mod choices;
 pub mod detokenizer;
@@ -34,6 +35,7 @@ use crate::model::hub::HubModel;
 use crate::net::{Address, Listener};
 use crate::proto::rank::v1 as rank_pb;
 use crate::proto::v1 as pb;
+use blocks::PoolGeometry;
 use chat_template::ChatTemplate;
 use error::{Error, Kind};
 use engine::{Engine, ModelStats, NewRequest, SchedulerConfig};
@@ -96,10 +98,13 @@ pub struct ModelHandle {
     pub chat_template: Option<ChatTemplate>,
     pub eos_token_ids: Vec<u32>,
     pub max_context: usize,
-    /// KV cache tokens every rank can hold (the smallest rank's capacity)
+    /// KV cache tokens one sequence can hold (the smallest rank's pool, less a recurrent state)
     pub kv_capacity_tokens: usize,
     /// what each rank holds (ModelInfo)
     pub shards: Vec<pb::ShardWeights>,
+    /// the ranks' KV block pools
+    pub pool: PoolGeometry,
+    pub prefix_cache: bool,
     /// most requests waiting for admission before new ones are refused
     pub max_waiting: usize,
     pub stats: Arc<ModelStats>,
@@ -138,6 +143,15 @@ impl ModelHandle {
             step_overhead_us_p50: overhead.0,
             step_overhead_us_p99: overhead.1,
             shards: self.shards.clone(),
+            kv_block_size: self.pool.block_size as u32,
+            kv_blocks_total: self.pool.blocks as u64,
+            kv_blocks_used: stats.kv_blocks_used.load(Ordering::Relaxed),
+            kv_blocks_cached: stats.kv_blocks_cached.load(Ordering::Relaxed),
+            kv_blocks_reserved: stats.kv_blocks_reserved.load(Ordering::Relaxed),
+            kv_state_blocks: stats.kv_state_blocks.load(Ordering::Relaxed),
+            prefix_cache_enabled: self.prefix_cache,
+            prefix_cache_queries_total: stats.prefix_cache_queries.load(Ordering::Relaxed),
+            prefix_cache_hits_total: stats.prefix_cache_hits.load(Ordering::Relaxed),
         }
     }
 }
@@ -157,8 +171,9 @@ pub struct Supervisor {
     /// how long one recovery may take before in-flight requests are failed
     recovery_timeout: Duration,
     load_timeout: Duration,
-    /// (model id, path, weight format) of every loaded model, to reload after recovery
-    loaded: Mutex<Vec<(String, String, WeightFormat)>>,
+    /// (model id, path, weight format, KV blocks) of every loaded model, to reload after
+    /// recovery with the pool its block ledger counts
+    loaded: Mutex<Vec<(String, String, WeightFormat, u64)>>,
     /// set on SIGTERM: no new requests, health NOT_SERVING
     draining: AtomicBool,
 }
@@ -243,22 +258,30 @@ impl Supervisor {
         self.ranks.bootstrap(epoch, init_timeout).await
     }
 
-    async fn load(&self, model_id: &str, path: &str, weights: &WeightFormat) -> Result<Vec<rank_pb::ShardInfo>, Error> {
+    /// Loads a model on every rank: (the group's shard, as its smallest rank can hold; every
+    /// rank's shard, in rank order).
+    async fn load(
+        &self,
+        model_id: &str,
+        path: &str,
+        weights: &WeightFormat,
+    ) -> Result<(rank_pb::ShardInfo, Vec<rank_pb::ShardInfo>), Error> {
         let _guard = self.step_lock.lock().await;
-        let info = match self.ranks.load(model_id, path, weights, self.epoch(), self.load_timeout).await {
-            Ok(info) => info,
+        let shards = match self.ranks.load(model_id, path, weights, self.epoch(), self.load_timeout, 0).await {
+            Ok(shards) => shards,
             Err(err) => {
                 // Ranks that did load it must not keep a model the coordinator does not serve.
-                if !self.loaded.lock().await.iter().any(|(id, _, _)| id == model_id) {
+                if !self.loaded.lock().await.iter().any(|(id, ..)| id == model_id) {
                     let _ = self.ranks.unload(model_id).await;
                 }
                 return Err(err);
             }
         };
+        let group = ranks::group_shard(&shards)?;
         let mut loaded = self.loaded.lock().await;
-        loaded.retain(|(id, _, _)| id != model_id);
-        loaded.push((model_id.to_owned(), path.to_owned(), weights.clone()));
-        Ok(info)
+        loaded.retain(|(id, ..)| id != model_id);
+        loaded.push((model_id.to_owned(), path.to_owned(), weights.clone(), group.kv_blocks));
+        Ok((group, shards))
     }
 
     /// Marks the server NOT_SERVING and rebuilds the group: waits for every rank to answer,
@@ -333,9 +356,9 @@ impl Supervisor {
         // Short per attempt: a rank that is hung now may be back for the next attempt.
         self.bootstrap(self.init_timeout.min(Duration::from_secs(15))).await?;
         let models = self.loaded.lock().await.clone();
-        for (id, path, weights) in models {
+        for (id, path, weights, kv_blocks) in models {
             let _guard = self.step_lock.lock().await;
-            self.ranks.load(&id, &path, &weights, self.epoch(), self.load_timeout).await?;
+            self.ranks.load(&id, &path, &weights, self.epoch(), self.load_timeout, kv_blocks).await?;
         }
         Ok(())
     }
@@ -381,17 +404,17 @@ impl Coordinator {
             .map_err(|err| Error::invalid(format!("cannot load model: {err:#}")))?
         };
         let ranks_path = hub.map_or_else(|| path_text.to_owned(), |hub| hub.to_string());
-                let shards = self.supervisor.load(id, &ranks_path, weights).await?;
-        let info = shards.first().ok_or_else(|| Error::internal("no ranks"))?;
-        // The group can only hold what its smallest rank can.
-        let kv_capacity_tokens = shards.iter().map(|s| s.kv_capacity_tokens).min().unwrap_or(0);
+        let (info, shards) = self.supervisor.load(id, &ranks_path, weights).await?;
+        let pool = pool_geometry(&info);
         let (submit, requests) = mpsc::channel(1024);
         let handle = Arc::new(ModelHandle {
             id: id.to_owned(),
             path: path.to_owned(),
             dtype: info.dtype.clone(),
             max_context: local.config.max_position_embeddings,
-            kv_capacity_tokens: kv_capacity_tokens as usize,
+            kv_capacity_tokens: pool.max_sequence_tokens(),
+            pool,
+            prefix_cache: self.scheduler.prefix_cache,
             shards: shards.iter().enumerate().map(|(rank, s)| shard_weights(rank, s)).collect(),
             max_waiting: self.scheduler.max_waiting,
             config: local.config,
@@ -413,7 +436,7 @@ impl Coordinator {
         for (rank, shard) in shards.iter().enumerate() {
             tracing::info!(model = id, rank, dtype = %shard.dtype, formats = %shard.formats, weight_bytes = shard.weight_bytes, "rank holds");
         }
-        tracing::info!(model = id, path = %path.display(), dtype = %handle.dtype, kv_capacity_tokens, "model ready");
+        tracing::info!(model = id, path = %path.display(), dtype = %handle.dtype, kv_capacity_tokens = handle.kv_capacity_tokens, kv_blocks = handle.pool.blocks, "model ready");
         Ok(handle)
     }
 
@@ -451,7 +474,7 @@ impl Coordinator {
     pub async fn unload_model(&self, id: &str) -> Result<bool, Error> {
         let _admin = self.admin.lock().await;
         let Some(model) = self.models.write().await.remove(id) else { return Ok(false) };
-        self.supervisor.loaded.lock().await.retain(|(loaded, _, _)| loaded != id);
+        self.supervisor.loaded.lock().await.retain(|(loaded, ..)| loaded != id);
         {
             let mut default = self.default_model.write().await;
             if default.as_deref() == Some(id) {
@@ -633,6 +656,18 @@ fn occupancy(cell: &tokio::sync::watch::Receiver<Option<Arc<Coordinator>>>) -> O
         total.kv_capacity_tokens += model.kv_capacity_tokens as u64;
     }
     total
+}
+
+/// The ranks' block pools as the coordinator counts them: a recurrent state takes as many
+/// blocks' worth of the budget as its bytes need.
+fn pool_geometry(info: &rank_pb::ShardInfo) -> PoolGeometry {
+    let state_units = info.recurrent_state_bytes.div_ceil(info.kv_block_bytes.max(1)) as usize;
+    PoolGeometry {
+        blocks: info.kv_blocks as usize,
+        block_size: (info.kv_block_size as usize).max(1),
+        state_units,
+        recurrent: info.recurrent_state_bytes > 0,
+    }
 }
 
 /// A model's id when none is given: its directory name.

@@ -128,6 +128,7 @@ impl RankSet {
         weights: &WeightFormat,
         epoch: u64,
         load_timeout: Duration,
+        kv_blocks: u64,
     ) -> Result<Vec<pb::ShardInfo>, Error> {
         let progress = Arc::new(LoadMeter::new(self.world_size()));
         let reporter = tokio::spawn(progress.clone().report(path.to_owned()));
@@ -141,6 +142,8 @@ impl RankSet {
                 dtype: weights.dtype.clone(),
                 epoch,
                 quantize: weights.quantize.clone(),
+                kv_block_size: crate::model::paged::DEFAULT_BLOCK_SIZE as u32,
+                kv_blocks,
             };
             // A rank reports progress every 250 ms while it loads: silence means it is stuck or
             // gone, however long the whole load may take. A rank that cannot load the files
@@ -462,4 +465,16 @@ async fn connect_one(address: &Address, patience: Duration, token: AttachToken, 
             Err(err) => return Err(err).with_context(|| format!("rank at {address} did not come up within {patience:?}")),
         }
     }
+}
+
+/// The shard a group can hold: the smallest rank's KV capacity and pool, and the largest
+/// recurrent state (counted in the smallest blocks, so that it is never undercounted); the
+/// rest is rank 0's.
+pub fn group_shard(infos: &[pb::ShardInfo]) -> Result<pb::ShardInfo, Error> {
+    let mut group = infos.first().cloned().ok_or_else(|| Error::internal("no ranks"))?;
+    group.kv_capacity_tokens = infos.iter().map(|i| i.kv_capacity_tokens).min().unwrap_or(0);
+    group.kv_blocks = infos.iter().map(|i| i.kv_blocks).min().unwrap_or(0);
+    group.kv_block_bytes = infos.iter().map(|i| i.kv_block_bytes).min().unwrap_or(0);
+    group.recurrent_state_bytes = infos.iter().map(|i| i.recurrent_state_bytes).max().unwrap_or(0);
+    Ok(group)
 }

@@ -5,23 +5,24 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 
 /// Causal scaled-dot-product attention of one sequence against its cached history.
-/// q [q_heads, n, hd]; keys, values [kv_heads, total, hd]; returns [n, q_heads * hd].
+/// q [q_heads, n, hd]; keys_t [kv_heads, hd, total] (transposed, as the paged cache gathers
+/// them); values [kv_heads, total, hd]; returns [n, q_heads * hd].
 pub fn attend(
     q: &Tensor,
-    keys: &Tensor,
+    keys_t: &Tensor,
     values: &Tensor,
     start_pos: usize,
     kv_heads: usize,
     head_dim: usize,
 ) -> Result<Tensor> {
     let (q_heads, n, _) = q.dims3()?;
-    let total = keys.dim(1)?;
+    let total = keys_t.dim(2)?;
     let group = q_heads / kv_heads;
     let compute = q.dtype();
     // Fold the query heads that share a KV head into the row dimension: [kv, group * n, hd].
     let q = q.contiguous()?.reshape((kv_heads, group * n, head_dim))?;
     let scale = 1.0 / (head_dim as f64).sqrt();
-    let scores = (q.matmul(&keys.t()?.contiguous()?)? * scale)?; // [kv, group * n, total]
+    let scores = (q.matmul(&keys_t.contiguous()?)? * scale)?; // [kv, group * n, total]
     let scores = if n > 1 {
         let mask = causal_mask(n, total, start_pos, q.device())?.to_dtype(compute)?;
         scores

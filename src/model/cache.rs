@@ -1,67 +1,17 @@
-//! Per-sequence state a rank keeps between steps: the attention KV cache of every attention
-//! layer, and the convolution and recurrent state of every linear-attention (Gated DeltaNet) layer.
+//! Per-sequence state a rank keeps between steps: the block table through which its attention
+//! layers find their keys and values in the model's block pool ([`super::paged`]), and the
+//! convolution and recurrent state of every linear-attention (Gated DeltaNet) layer.
 //!
-//! Buffers grow by doubling and new positions are written in place, so a decode step copies only
-//! the new token's keys and values, not the whole history.
+//! A recurrent state has a fixed size and cannot be rewound, so a prefix-cache hit needs the
+//! state exactly at the prefix's end: the store keeps snapshots of it, keyed by the id of the
+//! block that ends at that position (the coordinator says when to take and drop them).
 
 use std::collections::HashMap;
 
 use anyhow::{Result, bail};
 use candle_core::Tensor;
 
-/// Keys and values of one attention layer for one sequence: [kv_heads, capacity, head_dim].
-#[derive(Default)]
-pub struct KvBuffer {
-    keys: Option<Tensor>,
-    values: Option<Tensor>,
-    len: usize,
-}
-
-impl KvBuffer {
-    /// Appends `[kv_heads, n, head_dim]` keys and values and returns views of the whole history,
-    /// `[kv_heads, len + n, head_dim]`.
-    pub fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
-        let new = keys.dim(1)?;
-        let needed = self.len + new;
-        let capacity = self.keys.as_ref().map(|k| k.dim(1)).transpose()?.unwrap_or(0);
-        if needed > capacity {
-            let capacity = needed.next_power_of_two().max(64);
-            self.keys = Some(grow(self.keys.as_ref(), keys, self.len, capacity)?);
-            self.values = Some(grow(self.values.as_ref(), values, self.len, capacity)?);
-        }
-        let (Some(all_keys), Some(all_values)) = (&self.keys, &self.values) else {
-            bail!("kv buffer was not allocated");
-        };
-        all_keys.slice_set(&keys.contiguous()?, 1, self.len)?;
-        all_values.slice_set(&values.contiguous()?, 1, self.len)?;
-        self.len = needed;
-        Ok((all_keys.narrow(1, 0, needed)?, all_values.narrow(1, 0, needed)?))
-    }
-
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-/// A new buffer of `capacity` positions holding the first `len` positions of `old`.
-fn grow(old: Option<&Tensor>, like: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
-    let (heads, _, head_dim) = like.dims3()?;
-    let buffer = Tensor::zeros((heads, capacity, head_dim), like.dtype(), like.device())?;
-    if let Some(old) = old {
-        if len > 0 {
-            buffer.slice_set(&old.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-        }
-    }
-    Ok(buffer)
-}
+use super::paged::BlockPool;
 
 /// The state a linear-attention layer carries from one step to the next: a fixed size whatever
 /// the sequence length, and only ever moving forward (it cannot be rewound, only reset).
@@ -73,6 +23,14 @@ pub struct RecurrentState {
     pub memory: Option<Tensor>,
 }
 
+// Cloning shares the tensors, which is safe: a step replaces a state's tensors, never writes
+// into them, so a snapshot keeps the values it was taken with.
+impl Clone for RecurrentState {
+    fn clone(&self) -> Self {
+        Self { conv: self.conv.clone(), memory: self.memory.clone() }
+    }
+}
+
 impl RecurrentState {
     pub fn reset(&mut self) {
         self.conv = None;
@@ -80,9 +38,11 @@ impl RecurrentState {
     }
 }
 
-/// The cached state of one layer.
+/// The cached state of one layer: attention keeps nothing per sequence (its keys and values
+/// are in the block pool, found through the sequence's block table).
+#[derive(Clone)]
 pub enum LayerCache {
-    Attention(KvBuffer),
+    Attention,
     Recurrent(RecurrentState),
 }
 
@@ -91,6 +51,8 @@ pub struct SequenceCache {
     pub layers: Vec<LayerCache>,
     /// number of positions already processed
     pub len: usize,
+    /// the blocks holding positions 0, block_size, 2 * block_size, ... (as of the last step)
+    pub blocks: Vec<u32>,
 }
 
 impl SequenceCache {
@@ -106,11 +68,11 @@ impl SequenceCache {
                 if recurrent(i) {
                     LayerCache::Recurrent(RecurrentState::default())
                 } else {
-                    LayerCache::Attention(KvBuffer::default())
+                    LayerCache::Attention
                 }
             })
             .collect();
-        Self { layers, len: 0 }
+        Self { layers, len: 0, blocks: Vec::new() }
     }
 
     /// Fails when the cache cannot be rewound to `len` positions: a recurrent state has folded
@@ -136,7 +98,7 @@ impl SequenceCache {
         self.check_truncate(len)?;
         for layer in &mut self.layers {
             match layer {
-                LayerCache::Attention(kv) => kv.truncate(len),
+                LayerCache::Attention => {}
                 LayerCache::Recurrent(state) => {
                     if len == 0 {
                         state.reset();
@@ -147,15 +109,48 @@ impl SequenceCache {
         self.len = self.len.min(len);
         Ok(())
     }
+
+    /// The recurrent layers' states, to restore a sequence at this position later; None when
+    /// the model has no recurrent layer.
+    pub fn snapshot(&self) -> Option<Vec<LayerCache>> {
+        let recurrent = self.layers.iter().any(|l| matches!(l, LayerCache::Recurrent(_)));
+        recurrent.then(|| self.layers.clone())
+    }
 }
 
-/// All sequences a rank holds state for, by sequence id.
-#[derive(Default)]
+/// All sequences a rank holds state for, by sequence id, the block pool their attention layers
+/// share, and the recurrent-state snapshots of cached prefixes.
 pub struct CacheStore {
+    pub pool: BlockPool,
     sequences: HashMap<u64, SequenceCache>,
+    /// layer states at the end of a cached block, by that block's id
+    snapshots: HashMap<u32, Vec<LayerCache>>,
 }
 
 impl CacheStore {
+    pub fn new(pool: BlockPool) -> Self {
+        Self { pool, sequences: HashMap::new(), snapshots: HashMap::new() }
+    }
+
+    /// Keeps `layers` as the state at the end of block `block`, replacing any older snapshot.
+    pub fn save_snapshot(&mut self, block: u32, layers: Vec<LayerCache>) {
+        self.snapshots.insert(block, layers);
+    }
+
+    pub fn snapshot(&self, block: u32) -> Option<&Vec<LayerCache>> {
+        self.snapshots.get(&block)
+    }
+
+    pub fn drop_snapshots(&mut self, blocks: &[u32]) {
+        for block in blocks {
+            self.snapshots.remove(block);
+        }
+    }
+
+    pub fn snapshot_count(&self) -> usize {
+        self.snapshots.len()
+    }
+
     pub fn get_mut(&mut self, seq_id: u64) -> Option<&mut SequenceCache> {
         self.sequences.get_mut(&seq_id)
     }
@@ -176,9 +171,11 @@ impl CacheStore {
         self.sequences.remove(&seq_id).is_some()
     }
 
+    /// Drops every sequence and snapshot (the block storage stays allocated for reuse).
     pub fn clear(&mut self) -> usize {
         let count = self.sequences.len();
         self.sequences.clear();
+        self.snapshots.clear();
         count
     }
 

@@ -16,6 +16,7 @@ use super::gated_delta_net::GatedDeltaNet;
 use super::layers::{Attention, Mlp, NormWeight, RmsNorm};
 use super::loader::ShardLoader;
 use super::moe::SparseMoe;
+use super::paged::BlockPool;
 use super::parallel::{ParallelLmHead, TpGroup, VocabParallelEmbedding};
 use super::rope::Rotary;
 use super::SequenceInput;
@@ -133,7 +134,7 @@ impl Model {
     }
 
     /// Bytes one more token adds to a sequence's cache on this rank. Linear-attention layers
-    /// add none: their state has a fixed size per sequence.
+    /// add none: their state has a fixed size per sequence ([`Self::recurrent_state_bytes`]).
     pub fn kv_bytes_per_token(&self) -> usize {
         let elements: usize = self
             .layers
@@ -146,13 +147,31 @@ impl Model {
         elements * self.embed.compute_dtype().size_in_bytes()
     }
 
+    /// Bytes of one sequence's linear-attention state on this rank (conv history and memory of
+    /// every Gated DeltaNet layer); 0 for models without such layers.
+    pub fn recurrent_state_bytes(&self) -> usize {
+        let compute = self.embed.compute_dtype().size_in_bytes();
+        self.layers
+            .iter()
+            .map(|layer| match &layer.mixer {
+                TokenMixer::Attention(_) => 0,
+                TokenMixer::Linear(linear) => linear.state_bytes(compute),
+            })
+            .sum()
+    }
+
     pub fn new_sequence_cache(&self) -> SequenceCache {
         SequenceCache::new(self.layers.len(), |i| matches!(self.layers[i].mixer, TokenMixer::Linear(_)))
     }
 
     /// Runs the new tokens of every sequence and returns the logits of each sampling
     /// sequence's last token, [sampling sequences, vocab] in f32, on the sampling rank.
-    pub fn forward(&self, batch: &[SequenceInput<'_>], caches: &mut [&mut SequenceCache]) -> Result<Option<Tensor>> {
+    pub fn forward(
+        &self,
+        batch: &[SequenceInput<'_>],
+        caches: &mut [&mut SequenceCache],
+        pool: &mut BlockPool,
+    ) -> Result<Option<Tensor>> {
         let device = self.embed.weight().device();
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -167,13 +186,15 @@ impl Model {
         let positions = Tensor::from_vec(positions, ids.len(), &device)?;
         let mut hidden = self.embed.forward(&ids)?;
         for (index, layer) in self.layers.iter().enumerate() {
-            let mut layer_caches: Vec<&mut LayerCache> = caches.iter_mut().map(|c| &mut c.layers[index]).collect();
             let normed = layer.input_norm.forward(&hidden)?;
             let mixed = match &layer.mixer {
                 TokenMixer::Attention(attention) => {
-                    attention.forward(&normed, batch, &positions, &self.rotary, &mut layer_caches)?
+                    attention.forward(&normed, batch, &positions, &self.rotary, pool.layer_mut(index))?
                 }
-                TokenMixer::Linear(linear) => linear.forward(&normed, batch, &mut layer_caches)?,
+                TokenMixer::Linear(linear) => {
+                    let mut layer_caches: Vec<&mut LayerCache> = caches.iter_mut().map(|c| &mut c.layers[index]).collect();
+                    linear.forward(&normed, batch, &mut layer_caches)?
+                }
             };
             hidden = (hidden + mixed)?;
             let normed = layer.post_attention_norm.forward(&hidden)?;
@@ -181,6 +202,7 @@ impl Model {
         }
         for (seq, cache) in batch.iter().zip(caches.iter_mut()) {
             cache.len = seq.start_pos + seq.tokens.len();
+            cache.blocks = seq.blocks.to_vec();
         }
         // Every rank sees the same batch, so all of them agree on skipping the gather.
         if last_rows.is_empty() {

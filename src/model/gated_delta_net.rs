@@ -173,6 +173,14 @@ impl GatedDeltaNet {
         all
     }
 
+    /// Bytes of one sequence's state in this layer: the conv history (`compute` bytes per
+    /// element) and the f32 memory.
+    pub fn state_bytes(&self, compute: usize) -> usize {
+        let channels = self.conv.dims().get(1).copied().unwrap_or(0);
+        let history = (self.kernel - 1) * channels * compute;
+        history + self.heads.local_values * self.key_head_dim * self.value_head_dim * DType::F32.size_in_bytes()
+    }
+
     /// x [tokens, hidden] -> [tokens, hidden]; `caches` are this layer's caches, one per sequence.
     pub fn forward(&self, x: &Tensor, batch: &[SequenceInput<'_>], caches: &mut [&mut LayerCache]) -> Result<Tensor> {
         let tokens = x.dim(0)?;

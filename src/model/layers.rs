@@ -4,13 +4,13 @@
 //! Every layer takes the step's tokens concatenated, [tokens, hidden]; attention splits them
 //! per sequence against each sequence's own KV cache.
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use candle_core::{DType, Tensor};
 
 use super::SequenceInput;
 use super::attention::attend;
-use super::cache::LayerCache;
 use super::loader::ShardLoader;
+use super::paged::LayerBlocks;
 use super::parallel::{ColumnParallelLinear, HeadLayout, RowParallelLinear, RowSlice, TpGroup};
 use super::rope::Rotary;
 
@@ -137,14 +137,15 @@ impl Attention {
         2 * self.heads.local_kv_heads * self.head_dim
     }
 
-    /// x [tokens, hidden] -> [tokens, hidden]; `caches` are this layer's caches, one per sequence.
+    /// x [tokens, hidden] -> [tokens, hidden]; `blocks` are this layer's KV blocks, which every
+    /// sequence reads and writes through its block table.
     pub fn forward(
         &self,
         x: &Tensor,
         batch: &[SequenceInput<'_>],
         positions: &Tensor,
         rotary: &Rotary,
-        caches: &mut [&mut LayerCache],
+        blocks: &mut LayerBlocks,
     ) -> Result<Tensor> {
         let tokens = x.dim(0)?;
         let (hd, lq, lkv) = (self.head_dim, self.heads.local_q_heads, self.heads.local_kv_heads);
@@ -167,13 +168,11 @@ impl Attention {
 
         let mut outputs = Vec::with_capacity(batch.len());
         let mut offset = 0;
-        for (seq, cache) in batch.iter().zip(caches.iter_mut()) {
+        for seq in batch {
             let n = seq.tokens.len();
-            let LayerCache::Attention(kv) = &mut **cache else {
-                bail!("sequence {}: an attention layer was given a recurrent cache", seq.seq_id);
-            };
-            let (keys, values) = kv.append(&k.narrow(1, offset, n)?, &v.narrow(1, offset, n)?)?;
-            outputs.push(attend(&q.narrow(1, offset, n)?, &keys, &values, seq.start_pos, lkv, hd)?);
+            let (keys_t, values) =
+                blocks.append(seq.blocks, seq.start_pos, &k.narrow(1, offset, n)?, &v.narrow(1, offset, n)?)?;
+            outputs.push(attend(&q.narrow(1, offset, n)?, &keys_t, &values, seq.start_pos, lkv, hd)?);
             offset += n;
         }
         let attended = Tensor::cat(&outputs, 0)?; // [tokens, lq * hd]

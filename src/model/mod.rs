@@ -14,6 +14,7 @@ pub mod hub;
 pub mod layers;
 pub mod loader;
 pub mod moe;
+pub mod paged;
 pub mod parallel;
 pub mod quant;
 pub mod qwen3;
@@ -42,6 +43,23 @@ pub struct SequenceInput<'a> {
     pub tokens: &'a [u32],
     pub start_pos: usize,
     pub sample: bool,
+    /// the sequence's block table, covering at least `start_pos + tokens.len()` positions
+    pub blocks: &'a [u32],
+    /// for a sequence this rank holds no state for: how many leading positions its blocks
+    /// already hold (a prefix-cache hit); `start_pos` must equal it
+    pub cached_prefix: usize,
+    /// for such a sequence with recurrent layers: the block whose snapshot holds their state at
+    /// `cached_prefix`
+    pub restore_state: Option<u32>,
+    /// after the step, snapshot the recurrent state under this block id
+    pub save_state: Option<u32>,
+}
+
+impl<'a> SequenceInput<'a> {
+    /// A step with no prefix-cache involvement.
+    pub fn new(seq_id: u64, tokens: &'a [u32], start_pos: usize, sample: bool, blocks: &'a [u32]) -> Self {
+        Self { seq_id, tokens, start_pos, sample, blocks, cached_prefix: 0, restore_state: None, save_state: None }
+    }
 }
 
 /// How to load a shard.
@@ -189,38 +207,84 @@ impl Model {
                     seq.seq_id, config.max_position_embeddings
                 ));
             }
-            let cached = store.get_mut(seq.seq_id).map(|c| c.len).unwrap_or(0);
-            if seq.start_pos > cached {
+            if seq.save_state.is_some() && end % store.pool.block_size() != 0 {
                 return refuse(format!(
-                    "sequence {} starts at position {} but only {cached} positions are cached",
-                    seq.seq_id, seq.start_pos
+                    "sequence {}: a recurrent-state snapshot is taken at a block boundary, not at position {end}",
+                    seq.seq_id
                 ));
             }
-            // Before any cache leaves the store: a refused rewind must not lose the others.
-            if let Some(cache) = store.get_mut(seq.seq_id) {
-                if let Err(err) = cache.check_truncate(seq.start_pos) {
-                    return refuse(format!("sequence {}: {err:#}", seq.seq_id));
-                }
+            if let Err(err) = store.pool.check_table(seq.blocks, end) {
+                return refuse(format!("sequence {}: {err:#}", seq.seq_id));
+            }
+            if let Err(reason) = self.check_resume(seq, store) {
+                return refuse(format!("sequence {}: {reason}", seq.seq_id));
             }
         }
         // Take the caches out of the store so the forward pass can hold them all mutably.
         let mut caches: Vec<SequenceCache> = batch
             .iter()
-            .map(|seq| {
-                let mut cache = store.take(seq.seq_id).unwrap_or_else(|| self.new_sequence_cache());
-                cache.truncate(seq.start_pos)?;
-                Ok(cache)
+            .map(|seq| match store.take(seq.seq_id) {
+                Some(mut cache) => {
+                    cache.truncate(seq.start_pos)?;
+                    Ok(cache)
+                }
+                None => Ok(self.resumed_cache(seq, store)),
             })
             .collect::<Result<_>>()?;
         let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().collect();
-        let result = self.forward(batch, &mut refs);
+        let result = self.forward(batch, &mut refs, &mut store.pool);
         // On failure the caches may be half-updated: drop them rather than keep corrupt state.
         if result.is_ok() {
             for (seq, cache) in batch.iter().zip(caches) {
+                if let (Some(block), Some(snapshot)) = (seq.save_state, cache.snapshot()) {
+                    store.save_snapshot(block, snapshot);
+                }
                 store.insert(seq.seq_id, cache);
             }
         }
         result.context("forward pass failed")
+    }
+}
+
+impl Model {
+    /// Where a sequence may start: at most at its cached length, or, for a sequence this rank
+    /// holds nothing for, exactly at its prefix-cache hit, whose recurrent state (if the model
+    /// has recurrent layers) must be in a snapshot. A rewind of recurrent state is refused here,
+    /// before any cache leaves the store, so a refused step loses nothing.
+    fn check_resume(&self, seq: &SequenceInput<'_>, store: &mut CacheStore) -> Result<(), String> {
+        if let Some(cache) = store.get_mut(seq.seq_id) {
+            if seq.start_pos > cache.len {
+                return Err(format!("starts at position {} but only {} positions are cached", seq.start_pos, cache.len));
+            }
+            return cache.check_truncate(seq.start_pos).map_err(|err| format!("{err:#}"));
+        }
+        if seq.start_pos != seq.cached_prefix {
+            return Err(format!(
+                "starts at position {} but only {} positions are cached",
+                seq.start_pos, seq.cached_prefix
+            ));
+        }
+        if seq.cached_prefix > 0 && self.recurrent_state_bytes() > 0 {
+            match seq.restore_state {
+                Some(block) if store.snapshot(block).is_some() => {}
+                Some(block) => return Err(format!("no recurrent-state snapshot is kept for block {block}")),
+                None => return Err("resumes from a cached prefix without a recurrent-state snapshot".into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// The cache of a sequence this rank holds nothing for: empty, or restored to its cached
+    /// prefix (checked by [`Self::check_resume`]).
+    fn resumed_cache(&self, seq: &SequenceInput<'_>, store: &CacheStore) -> SequenceCache {
+        let mut cache = self.new_sequence_cache();
+        if seq.cached_prefix > 0 {
+            if let Some(layers) = seq.restore_state.and_then(|block| store.snapshot(block)) {
+                cache.layers = layers.clone();
+            }
+            cache.len = seq.cached_prefix;
+        }
+        cache
     }
 }
 

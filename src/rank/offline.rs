@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
+use crate::model::paged::{BlockPool, DEFAULT_BLOCK_SIZE, contiguous_table};
 use crate::model::{CacheStore, Model, SequenceInput};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -61,12 +62,14 @@ fn run_greedy(
     suppressed: &[u32],
     timing: &mut (usize, std::time::Duration),
 ) -> Result<Option<PromptResult>> {
-    let mut store = CacheStore::default();
+    // One sequence owns the whole pool.
+    let table = contiguous_table(0, prompt.len() + max_new, DEFAULT_BLOCK_SIZE);
+    let mut store = CacheStore::new(BlockPool::new(table.len(), DEFAULT_BLOCK_SIZE));
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut logits = None;
     let mut start = 0;
     for piece in prompt.chunks(chunk) {
-        logits = model.step(&[SequenceInput { seq_id, tokens: piece, start_pos: start, sample: true }], &mut store)?;
+        logits = model.step(&[SequenceInput::new(seq_id, piece, start, true, &table)], &mut store)?;
         start += piece.len();
     }
     let last_logits = match &logits {
@@ -84,7 +87,7 @@ fn run_greedy(
             break;
         }
         let started = std::time::Instant::now();
-        let out = model.step(&[SequenceInput { seq_id, tokens: &[token], start_pos: start, sample: true }], &mut store)?;
+        let out = model.step(&[SequenceInput::new(seq_id, &[token], start, true, &table)], &mut store)?;
         timing.0 += 1;
         timing.1 += started.elapsed();
         start += 1;
@@ -127,11 +130,13 @@ fn broadcast_token(model: &Model, token: Option<u32>) -> Result<u32> {
 /// rank only. Comparing two loads of a model on the same forced tokens measures their logit
 /// difference and top-1 agreement at every step, without one divergence derailing the rest.
 pub fn teacher_forced(model: &Model, seq_id: u64, prompt: &[u32], continuation: &[u32]) -> Result<Option<Vec<Vec<f32>>>> {
-    let mut store = CacheStore::default();
+    // One sequence owns the whole pool.
+    let table = contiguous_table(0, prompt.len() + continuation.len(), DEFAULT_BLOCK_SIZE);
+    let mut store = CacheStore::new(BlockPool::new(table.len(), DEFAULT_BLOCK_SIZE));
     let mut rows = Vec::with_capacity(continuation.len() + 1);
     let mut position = 0;
     let mut feed = |tokens: &[u32]| -> Result<Option<Vec<f32>>> {
-        let input = SequenceInput { seq_id, tokens, start_pos: position, sample: true };
+        let input = SequenceInput::new(seq_id, tokens, position, true, &table);
         position += tokens.len();
         let logits = model.step(&[input], &mut store)?;
         logits.map(|l| Ok(l.get(0)?.to_vec1::<f32>()?)).transpose()

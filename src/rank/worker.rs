@@ -16,6 +16,7 @@ use crate::comm::Collective;
 use crate::comm::socket::{CommId, Rendezvous, SocketCollective, SocketOptions};
 use crate::model::loader::LoadProgress;
 use crate::model::parallel::TpGroup;
+use crate::model::paged::{BlockPool, DEFAULT_BLOCK_SIZE};
 use crate::model::{CacheStore, LoadOptions, Model, SequenceInput};
 use crate::proto::rank::v1 as pb;
 use crate::sampling::{Sampler, SamplingParams};
@@ -102,8 +103,6 @@ struct Shard {
     caches: CacheStore,
     /// sampling-rank state per sequence
     sequences: HashMap<u64, SequenceTokens>,
-    /// most cached tokens (over all sequences) this rank accepts
-    capacity: usize,
 }
 
 /// The tokens a sequence has been fed, for penalties, and its sampler.
@@ -116,15 +115,16 @@ struct SequenceTokens {
 }
 
 impl Worker {
-    /// KV capacity in tokens from the configured budget, or, without one, half of the memory
+    /// KV cache blocks from the configured budget, or, without one, half of the memory
     /// available now divided by the group size (on one host the ranks share that memory); on a
-    /// GPU, half of its free memory (no other rank uses it).
-    fn kv_capacity_tokens(&self, bytes_per_token: u64, world_size: usize) -> u64 {
+    /// GPU, half of its free memory (no other rank uses it). Recurrent state is paid for out of
+    /// the same blocks (the coordinator counts it in block units).
+    fn kv_blocks(&self, block_bytes: u64, world_size: usize) -> u64 {
         let budget = self.config.kv_cache_bytes.unwrap_or_else(|| match self.device_memory() {
             Some((_, free)) => free / 2,
             None => available_memory_bytes() / 2 / world_size.max(1) as u64,
         });
-        budget / bytes_per_token.max(1)
+        budget / block_bytes.max(1)
     }
 
     /// (total, free) memory of a CUDA device; None on the CPU. Only this thread may ask: the
@@ -281,7 +281,11 @@ impl Worker {
         let started = Instant::now();
         let model = Model::load_quantized(&path, &group, &options, quant, progress.clone())
             .map_err(|err| Error::invalid(format!("cannot load {}: {err:#}", path.display())))?;
-        let mut info = shard_info(&model);
+        let block_size = match request.kv_block_size {
+            0 => DEFAULT_BLOCK_SIZE,
+            size => size as usize,
+        };
+        let mut info = shard_info(&model, block_size);
         // Quantized weights: the format holding most of the matrices' bytes (`q4_1`), which
         // ModelInfo shows; the log has every format's share.
         if quant != crate::model::QuantMode::Off {
@@ -290,11 +294,34 @@ impl Worker {
             }
         }
         info.formats = progress.format_summary();
-        info.kv_capacity_tokens = self.kv_capacity_tokens(info.kv_bytes_per_token, group.world_size);
-        tracing::info!(model = %request.model_id, path = %path.display(), dtype = %info.dtype, formats = %progress.format_summary(), weight_bytes = info.weight_bytes, kernels = crate::model::quant::kernels::Path::selected().name(), elapsed = ?started.elapsed(), "shard loaded");
+        let budget_blocks = self.kv_blocks(info.kv_block_bytes, group.world_size);
+        // A reload keeps the pool the coordinator's ledger counts (block storage is allocated
+        // as it is written, so only blocks in use take memory).
+        info.kv_blocks = match request.kv_blocks {
+            0 => budget_blocks,
+            asked => {
+                if asked > budget_blocks {
+                    tracing::warn!(asked, budget_blocks, "reloading with the block pool the coordinator counts, above this rank's budget now");
+                }
+                asked
+            }
+        };
+        info.kv_capacity_tokens = info.kv_blocks * block_size as u64;
+        tracing::info!(
+            model = %request.model_id,
+            path = %path.display(),
+            dtype = %info.dtype,
+            formats = %info.formats,
+            weight_bytes = info.weight_bytes,
+            kernels = crate::model::quant::kernels::Path::selected().name(),
+            kv_blocks = info.kv_blocks,
+            block_size,
+            elapsed = ?started.elapsed(),
+            "shard loaded"
+        );
         // Replacing a model drops its old caches with it.
-        let capacity = info.kv_capacity_tokens as usize;
-        self.models.insert(request.model_id, Shard { model, caches: CacheStore::default(), sequences: HashMap::new(), capacity });
+        let caches = CacheStore::new(BlockPool::new(info.kv_blocks as usize, block_size));
+        self.models.insert(request.model_id, Shard { model, caches, sequences: HashMap::new() });
         self.publish_models();
         Ok(info)
     }
@@ -325,9 +352,13 @@ impl Worker {
                 tokens: &seq.token_ids,
                 start_pos: seq.start_pos as usize,
                 sample: seq.sample,
+                blocks: &seq.block_table,
+                cached_prefix: seq.cached_prefix as usize,
+                restore_state: seq.restore_state_block,
+                save_state: seq.save_state_block,
             })
             .collect();
-        check_capacity(shard, &inputs)?;
+        check_prefix_tokens(shard, &request.sequences)?;
         // Refuse bad sampling parameters before the forward pass changes any cache.
         let vocab_size = shard.model.config().vocab_size;
         for seq in request.sequences.iter().filter(|s| s.sample) {
@@ -338,6 +369,7 @@ impl Worker {
             refuse_by_fault_injection(seq)?;
         }
         panic_by_fault_injection();
+        shard.caches.drop_snapshots(&request.dropped_snapshots);
         let logits = shard.model.step(&inputs, &mut shard.caches).map_err(step_error)?;
         let mut tokens = Vec::new();
         for seq in &request.sequences {
@@ -403,6 +435,9 @@ impl SequenceTokens {
     /// sampler so it is rebuilt from the surviving history.
     fn record(&mut self, seq: &pb::SequenceStep) {
         let start = seq.start_pos as usize;
+        if self.tokens.is_empty() && start > 0 && seq.cached_token_ids.len() == start {
+            self.tokens.extend_from_slice(&seq.cached_token_ids);
+        }
         if start < self.tokens.len() {
             self.tokens.truncate(start);
             self.sampler = None;
@@ -457,25 +492,19 @@ fn sampling_params(p: &pb::SamplingParams) -> SamplingParams {
     }
 }
 
-/// The coordinator admits within capacity; this is the rank's own guard against overcommitting
-/// its memory (e.g. a second coordinator, or a bug). A sequence listed twice is refused here,
-/// before the arithmetic below would count its cache twice.
-fn check_capacity(shard: &mut Shard, inputs: &[SequenceInput<'_>]) -> Result<(), Error> {
-    let mut seen = std::collections::HashSet::with_capacity(inputs.len());
-    if let Some(dup) = inputs.iter().find(|input| !seen.insert(input.seq_id)) {
-        return Err(Error::invalid(format!("sequence {} appears twice in one step", dup.seq_id)));
-    }
-    let mut after = shard.caches.cached_tokens();
-    for input in inputs {
-        let cached = shard.caches.get_mut(input.seq_id).map_or(0, |c| c.len);
-        // The sequence keeps its first start_pos cached positions and adds its new tokens.
-        after = after.saturating_sub(cached).saturating_add(input.start_pos.min(cached)).saturating_add(input.tokens.len());
-    }
-    if after > shard.capacity {
-        return Err(Error::new(Kind::Capacity, format!(
-            "this step would hold {after} tokens of KV cache but this rank's capacity is {}",
-            shard.capacity
-        )));
+/// A sequence that starts from a cached prefix brings the prefix's token ids, which its
+/// sampler's penalties count; without them they would silently count only the rest. (The
+/// memory guard is the block pool: every block id of a step is checked against its size.)
+fn check_prefix_tokens(shard: &Shard, steps: &[pb::SequenceStep]) -> Result<(), Error> {
+    for seq in steps.iter().filter(|s| s.cached_prefix > 0 && !shard.sequences.contains_key(&s.seq_id)) {
+        if seq.cached_token_ids.len() != seq.cached_prefix as usize {
+            return Err(Error::invalid(format!(
+                "sequence {} resumes from a cached prefix of {} tokens but carries {} of its token ids",
+                seq.seq_id,
+                seq.cached_prefix,
+                seq.cached_token_ids.len()
+            )));
+        }
     }
     Ok(())
 }
@@ -529,16 +558,21 @@ fn step_error(err: anyhow::Error) -> Error {
     }
 }
 
-fn shard_info(model: &Model) -> pb::ShardInfo {
+fn shard_info(model: &Model, block_size: usize) -> pb::ShardInfo {
     let config = model.config();
+    let per_token = model.kv_bytes_per_token() as u64;
     pb::ShardInfo {
         model_type: config.model_type.clone(),
         vocab_size: config.vocab_size as u32,
         max_context: config.max_position_embeddings as u32,
         dtype: format!("{:?}", model.dtype()).to_lowercase(),
         weight_bytes: model.weight_bytes() as u64,
-        kv_bytes_per_token: model.kv_bytes_per_token() as u64,
+        kv_bytes_per_token: per_token,
         kv_capacity_tokens: 0,
+        kv_block_size: block_size as u32,
+        kv_blocks: 0,
+        kv_block_bytes: per_token * block_size as u64,
+        recurrent_state_bytes: model.recurrent_state_bytes() as u64,
         formats: String::new(),
     }
 }

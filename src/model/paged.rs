@@ -1,0 +1,182 @@
+//! The paged KV cache: keys and values live in fixed-size blocks of `block_size` positions, and
+//! a sequence's cache is a block table (block ids in position order) that the coordinator
+//! assigns. Blocks of a shared prompt prefix can thus appear in several tables at once, and the
+//! memory a rank holds is a number of blocks, which the coordinator can count exactly.
+//!
+//! Each attention layer keeps its own blocks: keys as [kv_heads, head_dim, block_size] and values
+//! as [kv_heads, block_size, head_dim]. Attention reads a sequence's history by concatenating its
+//! blocks along the position axis, which yields keys already transposed for q·kᵀ and values ready
+//! for probs·v in one copy each: the same single copy per step the contiguous cache made (its
+//! narrowed views had to be made contiguous anyway), so decode speed does not drop.
+//!
+//! A block's storage is allocated the first time it is written and kept for reuse, so a rank
+//! never holds more than the pool's `num_blocks` blocks, however the ids are reused.
+
+use anyhow::{Result, bail};
+use candle_core::Tensor;
+
+/// Positions per block unless the coordinator asks for another size.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// The KV blocks of every attention layer of one model on this rank.
+pub struct BlockPool {
+    block_size: usize,
+    num_blocks: usize,
+    /// indexed by layer; empty for layers without attention
+    layers: Vec<LayerBlocks>,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self { block_size: block_size.max(1), num_blocks, layers: Vec::new() }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Refuses a table that names a block outside the pool or does not cover `positions`.
+    pub fn check_table(&self, table: &[u32], positions: usize) -> Result<()> {
+        if let Some(bad) = table.iter().find(|&&b| b as usize >= self.num_blocks) {
+            bail!("block {bad} is outside the pool of {} blocks", self.num_blocks);
+        }
+        if table.len() * self.block_size < positions {
+            bail!(
+                "a block table of {} blocks holds {} positions but {positions} are needed",
+                table.len(),
+                table.len() * self.block_size
+            );
+        }
+        Ok(())
+    }
+
+    pub fn layer_mut(&mut self, layer: usize) -> &mut LayerBlocks {
+        if self.layers.len() <= layer {
+            let block_size = self.block_size;
+            self.layers.resize_with(layer + 1, || LayerBlocks { block_size, blocks: Vec::new() });
+        }
+        &mut self.layers[layer]
+    }
+}
+
+/// One attention layer's blocks, by block id.
+pub struct LayerBlocks {
+    block_size: usize,
+    /// (keys [kv_heads, head_dim, block_size], values [kv_heads, block_size, head_dim])
+    blocks: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl LayerBlocks {
+    /// Writes the keys and values [kv_heads, n, head_dim] of positions `start .. start + n` of
+    /// the sequence whose blocks are `table`, and returns its whole history: keys transposed,
+    /// [kv_heads, head_dim, start + n], and values [kv_heads, start + n, head_dim], contiguous.
+    pub fn append(&mut self, table: &[u32], start: usize, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
+        let n = keys.dim(1)?;
+        let total = start + n;
+        if table.len() * self.block_size < total {
+            bail!("the block table covers {} positions, not {total}", table.len() * self.block_size);
+        }
+        let keys_t = keys.transpose(1, 2)?; // [kv, hd, n]
+        let mut written = 0;
+        while written < n {
+            let position = start + written;
+            let (index, offset) = (position / self.block_size, position % self.block_size);
+            let run = (self.block_size - offset).min(n - written);
+            let (block_keys, block_values) = self.block(table[index], keys)?;
+            block_keys.slice_set(&keys_t.narrow(2, written, run)?.contiguous()?, 2, offset)?;
+            block_values.slice_set(&values.narrow(1, written, run)?.contiguous()?, 1, offset)?;
+            written += run;
+        }
+        self.gather(table, total)
+    }
+
+    /// The history of positions 0..total through `table`, in one copy.
+    fn gather(&self, table: &[u32], total: usize) -> Result<(Tensor, Tensor)> {
+        let used = total.div_ceil(self.block_size);
+        let tail = total - (used - 1) * self.block_size;
+        let mut keys = Vec::with_capacity(used);
+        let mut values = Vec::with_capacity(used);
+        for (i, &id) in table[..used].iter().enumerate() {
+            let Some((k, v)) = self.blocks.get(id as usize).and_then(Option::as_ref) else {
+                bail!("block {id} is in a block table but was never written");
+            };
+            if i + 1 == used && tail < self.block_size {
+                keys.push(k.narrow(2, 0, tail)?);
+                values.push(v.narrow(1, 0, tail)?);
+            } else {
+                keys.push(k.clone());
+                values.push(v.clone());
+            }
+        }
+        Ok((Tensor::cat(&keys, 2)?.contiguous()?, Tensor::cat(&values, 1)?.contiguous()?))
+    }
+
+    /// The storage of block `id`, allocated on first use with the shape of `like`
+    /// ([kv_heads, n, head_dim]).
+    fn block(&mut self, id: u32, like: &Tensor) -> Result<&(Tensor, Tensor)> {
+        let id = id as usize;
+        if self.blocks.len() <= id {
+            self.blocks.resize_with(id + 1, || None);
+        }
+        if self.blocks[id].is_none() {
+            let (heads, _, head_dim) = like.dims3()?;
+            let (dtype, device) = (like.dtype(), like.device());
+            let keys = Tensor::zeros((heads, head_dim, self.block_size), dtype, device)?;
+            let values = Tensor::zeros((heads, self.block_size, head_dim), dtype, device)?;
+            self.blocks[id] = Some((keys, values));
+        }
+        match &self.blocks[id] {
+            Some(block) => Ok(block),
+            None => bail!("block {id} was not allocated"),
+        }
+    }
+}
+
+/// The block table `first, first + 1, ...` for `positions` positions: for drivers that run
+/// sequences without a coordinator (eval-shard, the offline parity runs), which give each
+/// sequence its own range of blocks.
+pub fn contiguous_table(first: u32, positions: usize, block_size: usize) -> Vec<u32> {
+    (0..positions.div_ceil(block_size) as u32).map(|i| first + i).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    /// Written in uneven pieces through a scattered table, the history reads back exactly as
+    /// the concatenation of what was written.
+    #[test]
+    fn append_through_a_scattered_table_reads_back_in_order() -> Result<()> {
+        let device = Device::Cpu;
+        let mut pool = BlockPool::new(16, 4);
+        let table = [7u32, 2, 11, 0];
+        let keys = Tensor::randn(0f32, 1.0, (2, 13, 3), &device)?;
+        let values = Tensor::randn(0f32, 1.0, (2, 13, 3), &device)?;
+        let layer = pool.layer_mut(1);
+        let mut start = 0;
+        let mut last = None;
+        for n in [5, 1, 6, 1] {
+            last = Some(layer.append(&table, start, &keys.narrow(1, start, n)?, &values.narrow(1, start, n)?)?);
+            start += n;
+        }
+        let (keys_t, read_values) = last.unwrap();
+        let diff = |a: &Tensor, b: &Tensor| -> Result<f32> { Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar()?) };
+        assert_eq!(diff(&keys_t, &keys.transpose(1, 2)?.contiguous()?)?, 0.0);
+        assert_eq!(diff(&read_values, &values)?, 0.0);
+        assert_eq!(read_values.dtype(), DType::F32);
+        Ok(())
+    }
+
+    #[test]
+    fn tables_are_checked_against_the_pool() {
+        let pool = BlockPool::new(8, 4);
+        assert!(pool.check_table(&[0, 7], 8).is_ok());
+        assert!(pool.check_table(&[0, 8], 8).unwrap_err().to_string().contains("outside the pool"));
+        assert!(pool.check_table(&[0], 5).unwrap_err().to_string().contains("positions"));
+    }
+}
