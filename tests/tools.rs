@@ -247,7 +247,9 @@ fn serve() -> Server {
     let port = common::free_port();
     let listen = format!("127.0.0.1:{port}");
     let model = qwen3_vocab_model();
-    let served = common::Served::start_with(model.to_str().unwrap(), 2, &["--http-listen", &listen]);
+    // Prefix caching off: a request that hits a cached prefix prefills fewer tokens and rounds
+    // differently, and these comparisons are bitwise (the same prompt, the same distributions).
+    let served = common::Served::start_with(model.to_str().unwrap(), 2, &["--http-listen", &listen, "--prefix-cache", "off"]);
     Server { served, port }
 }
 
