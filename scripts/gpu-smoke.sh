@@ -13,8 +13,10 @@
 #              binary, or an xz-compressed one such as target/gpu-bin/tpserve.xz from
 #              scripts/build-cuda.sh on a machine with no GPU).
 #   2. parity  at TP 1 on cuda:0, an NCCL communicator of one rank, computing in f32:
-#              a. `tpserve eval-shard --device cuda:0` on tests/fixtures/qwen3_a, qwen3_b and
-#                 qwen3_c_bf16: the 16 greedy tokens of every prompt must equal expected.json's
+#              a. `tpserve eval-shard --device cuda:0` on tests/fixtures/qwen3_a, qwen3_b,
+#                 qwen3_c_bf16, qwen3_moe, qwen3_5_dense and qwen3_5_moe, each with collectives
+#                 skipped and with TPSERVE_TP1_COLLECTIVES=1 (every collective through the NCCL
+#                 world of one): the 16 greedy tokens of every prompt must equal expected.json's
 #                 greedy_new_ids exactly (for the bf16 fixture the reference computed in f32,
 #                 f32_compute_of_same_bf16_weights); the largest |logit difference| is printed.
 #              b. served: `tpserve rank --device cuda:0` and `tpserve coordinator --dtype f32`,
@@ -202,18 +204,25 @@ EOF
 }
 eos_of() { "$PY" -c 'import json,sys; e=json.load(open(sys.argv[1])).get("eos_token_id", 2); print(e[0] if isinstance(e, list) else e)' "$1/config.json"; }
 
-for name in qwen3_a qwen3_b qwen3_c_bf16; do
+# Every fixture family (Qwen3 dense, Qwen3 MoE, Qwen3.5 hybrid dense and MoE), each twice: with
+# collectives skipped at TP 1, and with TPSERVE_TP1_COLLECTIVES=1, which runs every all-reduce
+# and gather through the NCCL world of one (its custom ops and dtypes on this GPU).
+for name in qwen3_a qwen3_b qwen3_c_bf16 qwen3_moe qwen3_5_dense qwen3_5_moe; do
     dir="$REPO/tests/fixtures/$name"
     fixture_prompts "$dir" "$WORK/$name.prompts.json" || { fail "cannot read $dir/expected.json"; continue; }
-    rm -f "$WORK/$name.report.json"
-    if ! timeout --kill-after=10 180 "$TPSERVE" eval-shard --device cuda:0 --model "$dir" --rank 0 --world-size 1 \
-        --prompts "$WORK/$name.prompts.json" --max-new 16 --dtype f32 --suppress "$(eos_of "$dir")" \
-        --out "$WORK/$name.report.json" >"$WORK/$name.log" 2>&1; then
-        show_log "$WORK/$name.log"
-        fail "eval-shard on $name did not finish"
-        continue
-    fi
-    compare_report "$dir" "$WORK/$name.report.json" "$name" || fail "$name: greedy tokens differ from the reference"
+    for collectives in skipped nccl; do
+        label="$name (collectives $collectives)"
+        tp1=0; [[ $collectives == nccl ]] && tp1=1
+        rm -f "$WORK/$name.report.json"
+        if ! TPSERVE_TP1_COLLECTIVES=$tp1 timeout --kill-after=10 180 "$TPSERVE" eval-shard --device cuda:0 --model "$dir" \
+            --rank 0 --world-size 1 --prompts "$WORK/$name.prompts.json" --max-new 16 --dtype f32 \
+            --suppress "$(eos_of "$dir")" --out "$WORK/$name.report.json" >"$WORK/$name.log" 2>&1; then
+            show_log "$WORK/$name.log"
+            fail "eval-shard on $label did not finish"
+            continue
+        fi
+        compare_report "$dir" "$WORK/$name.report.json" "$label" || fail "$label: greedy tokens differ from the reference"
+    done
 done
 
 say "served: tpserve rank --device cuda:0 + tpserve coordinator --dtype f32, on qwen3_a"
