@@ -1,5 +1,6 @@
-//! Matrix-vector speed of the quantized kernels on SmolLM2-135M's shapes, every path this CPU
-//! has: prints GB/s of weights streamed and µs per product. A figure, not a test.
+//! Speed of the quantized kernels on SmolLM2-135M's shapes, every path this CPU has, for one
+//! activation row (decode) and sixteen (a batch): prints µs per product and GB/s of weights
+//! streamed. A figure, not a test.
 //!
 //!     RAYON_NUM_THREADS=1 cargo run --release -p tpserve-kernels --example quant_matvec
 
@@ -12,18 +13,18 @@ use tpserve_kernels::quant::kernels::{Path, matmul};
 fn main() {
     // (k, n): q/k/v+o, gate/up, down, LM head of SmolLM2-135M
     let shapes = [(576, 960), (576, 3072), (1536, 576), (576, 49152)];
-    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4K] {
+    for (dtype, m) in [(GgmlDType::Q4_1, 1), (GgmlDType::Q8_0, 1), (GgmlDType::Q4K, 1), (GgmlDType::Q4_1, 16), (GgmlDType::Q8_0, 16)] {
         for path in Path::ALL.into_iter().filter(|p| p.available()) {
-            let mut line = format!("{dtype:?} {:>11}:", path.name());
+            let mut line = format!("{dtype:?} m={m:<2} {:>11}:", path.name());
             for (k, n) in shapes {
                 let values: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
                 let Sliced::Blocks { dtype: held, bytes, .. } = quantize_matrix(dtype, n, k, values) else { continue };
-                let x: Vec<f32> = (0..k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect();
-                let reps = (200_000_000 / (n * k)).max(3);
-                let _ = matmul(&x, 1, k, held, &bytes, n, path);
+                let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect();
+                let reps = (200_000_000 / (n * k * m)).max(3);
+                let _ = matmul(&x, m, k, held, &bytes, n, path);
                 let started = Instant::now();
                 for _ in 0..reps {
-                    std::hint::black_box(matmul(&x, 1, k, held, &bytes, n, path));
+                    std::hint::black_box(matmul(&x, m, k, held, &bytes, n, path));
                 }
                 let seconds = started.elapsed().as_secs_f64() / reps as f64;
                 let gbs = (n * row_bytes(held, k)) as f64 / seconds / 1e9;

@@ -201,7 +201,19 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
 fn rows_q8(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8], dtype: GgmlDType, path: Path) {
     let m = acts.len();
     for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
-        for (o, act) in out.iter_mut().zip(acts) {
+        // Batches: four activation rows per pass over the weight row, so each weight block is
+        // loaded and unpacked once for four products (register blocking across rows).
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        while path != Path::Portable && done + 4 <= m {
+            let four = [&acts[done], &acts[done + 1], &acts[done + 2], &acts[done + 3]];
+            // SAFETY: `matmul` asserted the CPU has this path's features; the row holds whole
+            // blocks of `dtype` matching every activation's block count (checked there).
+            let sums = unsafe { x86::dot4(path == Path::Avx512Vnni, dtype, row, four) };
+            out[done..done + 4].copy_from_slice(&sums);
+            done += 4;
+        }
+        for (o, act) in out[done..].iter_mut().zip(&acts[done..]) {
             *o = match path {
                 Path::Portable => dot_portable(dtype, row, act),
                 #[cfg(target_arch = "x86_64")]
@@ -329,6 +341,164 @@ mod x86 {
     dot_fn!(dot_avx2, false, "avx2,fma,f16c");
     dot_fn!(dot_vnni, true, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
 
+    /// One instantiation of [`dot4_body`] per format, compiled for the features of `$features`.
+    macro_rules! dot4_fn {
+        ($name:ident, $vnni:expr, $features:literal) => {
+            /// Four activation rows against one weight row.
+            ///
+            /// # Safety
+            /// As the single-row functions, for every one of the four activation rows.
+            #[target_feature(enable = $features)]
+            unsafe fn $name(dtype: GgmlDType, row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
+                // SAFETY: forwarded contract.
+                unsafe {
+                    match dtype {
+                        GgmlDType::Q4_0 => dot4_body::<$vnni, Q4_0>(row, acts),
+                        GgmlDType::Q4_1 => dot4_body::<$vnni, Q4_1>(row, acts),
+                        GgmlDType::Q5_0 => dot4_body::<$vnni, Q5_0>(row, acts),
+                        GgmlDType::Q5_1 => dot4_body::<$vnni, Q5_1>(row, acts),
+                        GgmlDType::Q8_0 => dot4_body::<$vnni, Q8_0>(row, acts),
+                        other => panic!("{other:?} is not a 32-value block format"),
+                    }
+                }
+            }
+        };
+    }
+    dot4_fn!(dot4_avx2, false, "avx2,fma,f16c");
+    dot4_fn!(dot4_vnni, true, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+
+    /// Four activation rows against one weight row, on the VNNI path when `vnni`.
+    ///
+    /// # Safety
+    /// As [`dot4_avx2`] / [`dot4_vnni`].
+    pub unsafe fn dot4(vnni: bool, dtype: GgmlDType, row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
+        // SAFETY: forwarded contract.
+        unsafe { if vnni { dot4_vnni(dtype, row, acts) } else { dot4_avx2(dtype, row, acts) } }
+    }
+
+    /// Weight block `b` of a row at `base` (`ts` bytes a block), unpacked once for any number of
+    /// activation rows: (its values as unsigned bytes, the signs Q8_0's trick applies to the
+    /// activations, its scale, its offset coefficient).
+    ///
+    /// # Safety
+    /// AVX2 is enabled in the caller; block `b` of the row is in bounds.
+    #[inline(always)]
+    unsafe fn weight_block<const F: u8>(base: *const u8, ts: usize, b: usize) -> (__m256i, __m256i, f32, f32) {
+        // SAFETY: the caller's contract; every load is unaligned.
+        unsafe {
+            let blk = base.add(b * ts);
+            let d = f16_at(blk);
+            match F {
+                Q4_0 => {
+                    let q = nibbles(blk.add(2));
+                    (q, q, d, -8.0 * d)
+                }
+                Q4_1 => {
+                    let q = nibbles(blk.add(4));
+                    (q, q, d, f16_at(blk.add(2)))
+                }
+                Q5_0 => {
+                    let q = _mm256_or_si256(nibbles(blk.add(6)), high_bits(blk.add(2)));
+                    (q, q, d, -16.0 * d)
+                }
+                Q5_1 => {
+                    let q = _mm256_or_si256(nibbles(blk.add(8)), high_bits(blk.add(4)));
+                    (q, q, d, f16_at(blk.add(2)))
+                }
+                _ => {
+                    let w = _mm256_loadu_si256(blk.add(2).cast());
+                    (_mm256_sign_epi8(w, w), w, d, 0.0)
+                }
+            }
+        }
+    }
+
+    /// One activation row's part of an unpacked weight block (see [`weight_block`]): the same
+    /// (sums, scale, offset term) as [`block`].
+    ///
+    /// # Safety
+    /// AVX2 (and VNNI when asked) are enabled in the caller; block `b` of `act` is in bounds.
+    #[inline(always)]
+    unsafe fn act_part<const VNNI: bool, const F: u8>(
+        (q, signs, d, c): (__m256i, __m256i, f32, f32),
+        act: &ActQ8,
+        b: usize,
+    ) -> (__m256, f32, f32) {
+        // SAFETY: the caller's contract; the load is unaligned.
+        unsafe {
+            let x = _mm256_loadu_si256(act.qs.as_ptr().add(b * QK).cast());
+            let x = if F == Q8_0 { _mm256_sign_epi8(x, signs) } else { x };
+            let sums = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(q, x));
+            (sums, d * *act.d.get_unchecked(b), c * *act.s.get_unchecked(b))
+        }
+    }
+
+    /// [`dot_body`] for four activation rows: each weight block is unpacked once and dotted with
+    /// the four rows' blocks. Every row's additions happen in exactly [`dot_body`]'s order (four
+    /// blocks an iteration into two accumulators, then the odd ones), so a row's result is
+    /// bitwise the same whether it is multiplied alone or in a batch.
+    #[inline(always)]
+    unsafe fn dot4_body<const VNNI: bool, const F: u8>(row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
+        let ts = match F {
+            Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            _ => 34,
+        };
+        let blocks = acts[0].d.len();
+        assert!(row.len() >= blocks * ts);
+        assert!(acts.iter().all(|a| a.d.len() == blocks && a.s.len() == blocks && a.qs.len() >= blocks * QK));
+        let base = row.as_ptr();
+        // SAFETY (whole block): AVX2 and FMA are enabled by every caller; indices stay below
+        // `blocks`, in bounds of the row and of every activation row by the asserts above.
+        unsafe {
+            let mut acc0 = [_mm256_setzero_ps(); 4];
+            let mut acc1 = [_mm256_setzero_ps(); 4];
+            let (mut off0, mut off1) = ([0f32; 4], [0f32; 4]);
+            let mut b = 0;
+            while b + 4 <= blocks {
+                let w = [
+                    weight_block::<F>(base, ts, b),
+                    weight_block::<F>(base, ts, b + 1),
+                    weight_block::<F>(base, ts, b + 2),
+                    weight_block::<F>(base, ts, b + 3),
+                ];
+                for r in 0..4 {
+                    let (s0, d0, c0) = act_part::<VNNI, F>(w[0], acts[r], b);
+                    let (s1, d1, c1) = act_part::<VNNI, F>(w[1], acts[r], b + 1);
+                    let (s2, d2, c2) = act_part::<VNNI, F>(w[2], acts[r], b + 2);
+                    let (s3, d3, c3) = act_part::<VNNI, F>(w[3], acts[r], b + 3);
+                    acc0[r] = _mm256_fmadd_ps(s0, _mm256_set1_ps(d0), acc0[r]);
+                    acc1[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(d1), acc1[r]);
+                    acc0[r] = _mm256_fmadd_ps(s2, _mm256_set1_ps(d2), acc0[r]);
+                    acc1[r] = _mm256_fmadd_ps(s3, _mm256_set1_ps(d3), acc1[r]);
+                    off0[r] += c0 + c2;
+                    off1[r] += c1 + c3;
+                }
+                b += 4;
+            }
+            while b < blocks {
+                let w = weight_block::<F>(base, ts, b);
+                for r in 0..4 {
+                    let (s0, d0, c0) = act_part::<VNNI, F>(w, acts[r], b);
+                    acc0[r] = _mm256_fmadd_ps(s0, _mm256_set1_ps(d0), acc0[r]);
+                    off0[r] += c0;
+                }
+                b += 1;
+            }
+            let mut out = [0f32; 4];
+            for r in 0..4 {
+                let acc = _mm256_add_ps(acc0[r], acc1[r]);
+                let half = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+                let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+                let one = _mm_add_ss(half, _mm_movehdup_ps(half));
+                out[r] = _mm_cvtss_f32(one) + (off0[r] + off1[r]);
+            }
+            out
+        }
+    }
+
     /// Dispatches to the instantiation compiled for the path's features.
     ///
     /// # Safety
@@ -445,7 +615,7 @@ mod tests {
                 let shapes: &[(usize, usize, usize)] = if is_k_quant(dtype) {
                     &[(1, 256, 1), (1, 512, 37), (3, 768, 65), (9, 256, 33)]
                 } else {
-                    &[(1, 32, 1), (1, 96, 37), (3, 576, 65), (9, 1536, 33), (2, 32, 70)]
+                    &[(1, 32, 1), (1, 96, 37), (3, 576, 65), (9, 1536, 33), (2, 32, 70), (16, 64, 9), (4, 32, 3)]
                 };
                 for &(m, k, n) in shapes {
                     let w = values(n * k, (m * k + n) as u64);
@@ -476,5 +646,27 @@ mod tests {
         }
         assert!(ran.contains(&Path::Portable));
         eprintln!("quantized kernel paths tested on this CPU: {ran:?}");
+    }
+
+    /// A row's product does not depend on the batch it is in: the four-row SIMD path adds in
+    /// the single-row path's order, so every row of a batch equals that row multiplied alone,
+    /// bit for bit (the greedy tokens of a sequence cannot change with the batch).
+    #[test]
+    fn batched_rows_equal_single_rows_bitwise() {
+        use GgmlDType::*;
+        for path in Path::ALL.into_iter().filter(|p| p.available()) {
+            for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0] {
+                let (m, k, n) = (11, 32 * 7, 19);
+                let Sliced::Blocks { bytes, .. } = quantize_matrix(dtype, n, k, values(n * k, 5)) else { panic!() };
+                let x = values(m * k, 6);
+                let batch = matmul(&x, m, k, dtype, &bytes, n, path);
+                for i in 0..m {
+                    let alone = matmul(&x[i * k..(i + 1) * k], 1, k, dtype, &bytes, n, path);
+                    for j in 0..n {
+                        assert_eq!(batch[i * n + j].to_bits(), alone[j].to_bits(), "{path:?} {dtype:?} row {i} col {j}");
+                    }
+                }
+            }
+        }
     }
 }
