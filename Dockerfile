@@ -22,6 +22,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
 COPY src src
+COPY crates crates
 COPY benches benches
 COPY tests/fixtures/qwen3_a tests/fixtures/qwen3_a
 RUN cargo build --release --locked ${FEATURES:+--features ${FEATURES}} \
