@@ -1,12 +1,14 @@
 //! Speed of the quantized kernels on SmolLM2-135M's shapes, every path this CPU has, for one
 //! activation row (decode) and sixteen (a batch): prints µs per product and GB/s of weights
-//! streamed. A figure, not a test.
+//! streamed, beside candle's quantized matmul (`QMatMul`, the baseline) on the same weights.
+//! A figure, not a test.
 //!
 //!     RAYON_NUM_THREADS=1 cargo run --release -p tpserve-kernels --example quant_matvec
 
 use std::time::Instant;
 
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
 use tpserve_kernels::quant::formats::{Sliced, quantize_matrix, row_bytes};
 use tpserve_kernels::quant::kernels::{Path, matmul};
 
@@ -32,5 +34,27 @@ fn main() {
             }
             println!("{line}");
         }
+        let mut line = format!("{dtype:?} m={m:<2} {:>11}:", "candle");
+        for (k, n) in shapes {
+            if k % dtype.block_size() != 0 {
+                // candle refuses rows that are not whole blocks (tpserve holds them as Q8_0)
+                line += &format!("  [{k}x{n}] n/a");
+                continue;
+            }
+            let values: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
+            let w = Tensor::from_vec(values, (n, k), &Device::Cpu).unwrap();
+            let q = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+            let x = Tensor::from_vec((0..m * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect::<Vec<f32>>(), (m, k), &Device::Cpu).unwrap();
+            let reps = (200_000_000 / (n * k * m)).max(3);
+            let _ = q.forward(&x).unwrap();
+            let started = Instant::now();
+            for _ in 0..reps {
+                std::hint::black_box(q.forward(&x).unwrap());
+            }
+            let seconds = started.elapsed().as_secs_f64() / reps as f64;
+            let gbs = (n * row_bytes(dtype, k)) as f64 / seconds / 1e9;
+            line += &format!("  [{k}x{n}] {:.1} µs {gbs:.1} GB/s", seconds * 1e6);
+        }
+        println!("{line}");
     }
 }
