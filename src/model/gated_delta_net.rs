@@ -89,9 +89,11 @@ pub struct GatedDeltaNet {
     /// depthwise causal convolution over the local [q | k | v] channels, [kernel, channels]:
     /// one row per tap, so a tap is one broadcast multiply over the tokens
     conv: Tensor,
-    /// -exp(A_log) per local value head, f32 (the gates are computed on the host)
-    neg_a: Vec<f32>,
-    dt_bias: Vec<f32>,
+    /// -exp(A_log) per local value head, [local value heads] f32 on the layer's device (the
+    /// gates are device tensor ops: decode never copies them through the host)
+    neg_a: Tensor,
+    /// [local value heads] f32
+    dt_bias: Tensor,
     /// the gated norm scales by plain w
     norm: RmsNorm,
     out_proj: RowParallelLinear,
@@ -141,10 +143,8 @@ impl GatedDeltaNet {
             .reshape((local_channels, kernel))?
             .t()?
             .contiguous()?;
-        let per_head = |name: &str| -> Result<Vec<f32>> {
-            Ok(loader.slice(name, &[nv], 0, &[heads.values()])?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
-        };
-        let neg_a = per_head("A_log")?.into_iter().map(|a| -a.exp()).collect();
+        let per_head = |name: &str| -> Result<Tensor> { Ok(loader.slice(name, &[nv], 0, &[heads.values()])?.to_dtype(DType::F32)?) };
+        let neg_a = per_head("A_log")?.exp()?.neg()?;
         let dt_bias = per_head("dt_bias")?;
         let norm = RmsNorm::load(loader, "norm", dv, config.rms_norm_eps, NormWeight::Plain)?;
         let out_proj =
@@ -198,16 +198,18 @@ impl GatedDeltaNet {
             };
             let mixed = self.convolve(&mixed.narrow(0, offset, n)?, state)?;
             let (q, k, v) = self.split_heads(&mixed)?;
-            let rows = offset * heads..(offset + n) * heads;
-            let (beta, g) = (&beta[rows.clone()], &g[rows]);
+            let (beta, g) = (beta.narrow(0, offset, n)?, g.narrow(0, offset, n)?); // [n, heads]
             let memory = match state.memory.take() {
                 Some(memory) => memory,
                 None => Tensor::zeros((heads, self.key_head_dim, dv), DType::F32, x.device())?,
             };
             let (out, memory) = if n == 1 {
-                recurrent_step(&q, &k, &v, beta, g, &memory)?
+                recurrent_step(&q, &k, &v, &beta, &g, &memory)?
             } else {
-                chunked_delta_rule(&q, &k, &v, beta, g, memory)?
+                // The chunked prefill builds its decay matrices and solves on the host.
+                let beta = beta.flatten_all()?.to_vec1::<f32>()?;
+                let g = g.flatten_all()?.to_vec1::<f32>()?;
+                chunked_delta_rule(&q, &k, &v, &beta, &g, memory)?
             };
             state.memory = Some(memory);
             outputs.push(out.transpose(0, 1)?); // [n, heads, dv]
@@ -219,18 +221,11 @@ impl GatedDeltaNet {
         self.out_proj.forward(&gated.reshape((tokens, heads * dv))?)
     }
 
-    /// beta = sigmoid(b) and the log-decay g = -exp(A_log) * softplus(a + dt_bias), in f32,
-    /// [tokens * local value heads] row-major.
-    fn gates(&self, b: &Tensor, a: &Tensor) -> Result<(Vec<f32>, Vec<f32>)> {
-        let beta = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let beta = beta.into_iter().map(|b| 1.0 / (1.0 + (-b).exp())).collect();
-        let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let heads = self.neg_a.len();
-        let g = a
-            .iter()
-            .enumerate()
-            .map(|(i, &a)| self.neg_a[i % heads] * softplus(a + self.dt_bias[i % heads]))
-            .collect();
+    /// beta = sigmoid(b) and the log-decay g = -exp(A_log) * softplus(a + dt_bias), f32
+    /// [tokens, local value heads], as tensor ops on the layer's device.
+    fn gates(&self, b: &Tensor, a: &Tensor) -> Result<(Tensor, Tensor)> {
+        let beta = candle_nn::ops::sigmoid(&b.to_dtype(DType::F32)?)?;
+        let g = softplus(&a.to_dtype(DType::F32)?.broadcast_add(&self.dt_bias)?)?.broadcast_mul(&self.neg_a)?;
         Ok((beta, g))
     }
 
@@ -280,9 +275,10 @@ impl GatedDeltaNet {
     }
 }
 
-/// torch's softplus (beta 1, threshold 20).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 { x } else { x.exp().ln_1p() }
+/// torch's softplus (beta 1, threshold 20), element-wise: ln(1 + e^x), or x above 20.
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    let smooth = (x.exp()? + 1.0)?.log()?;
+    Ok(x.gt(20.0)?.where_cond(x, &smooth)?)
 }
 
 /// x / sqrt(sum(x^2) + eps) over the last dimension.
@@ -291,13 +287,13 @@ fn l2_normalize(x: &Tensor) -> Result<Tensor> {
     Ok(x.broadcast_div(&norm)?)
 }
 
-/// One token of the gated delta rule. q, k [heads, 1, dk]; v [heads, 1, dv]; beta and g per
-/// head; memory [heads, dk, dv]. Returns the output [heads, 1, dv] and the new memory.
-fn recurrent_step(q: &Tensor, k: &Tensor, v: &Tensor, beta: &[f32], g: &[f32], memory: &Tensor) -> Result<(Tensor, Tensor)> {
-    let heads = beta.len();
-    let device = q.device();
-    let decay = Tensor::from_vec(g.iter().map(|g| g.exp()).collect::<Vec<_>>(), (heads, 1, 1), device)?;
-    let beta = Tensor::from_vec(beta.to_vec(), (heads, 1, 1), device)?;
+/// One token of the gated delta rule. q, k [heads, 1, dk]; v [heads, 1, dv]; beta and g [1,
+/// heads] on q's device; memory [heads, dk, dv]. Returns the output [heads, 1, dv] and the new
+/// memory.
+fn recurrent_step(q: &Tensor, k: &Tensor, v: &Tensor, beta: &Tensor, g: &Tensor, memory: &Tensor) -> Result<(Tensor, Tensor)> {
+    let heads = q.dim(0)?;
+    let decay = g.exp()?.reshape((heads, 1, 1))?;
+    let beta = beta.reshape((heads, 1, 1))?;
     let memory = memory.broadcast_mul(&decay)?;
     // What the memory already predicts for k; only the correction towards v is written.
     let predicted = k.matmul(&memory)?; // [heads, 1, dv]
@@ -465,7 +461,8 @@ mod tests {
         for t in 0..n {
             let at = |x: &Tensor| x.narrow(1, t, 1);
             let rows = t * heads..(t + 1) * heads;
-            let (out, next) = recurrent_step(&at(&q)?, &at(&k)?, &at(&v)?, &beta[rows.clone()], &g[rows], &stepped_memory)?;
+            let gate = |values: &[f32]| Tensor::from_vec(values[rows.clone()].to_vec(), (1, heads), &device);
+            let (out, next) = recurrent_step(&at(&q)?, &at(&k)?, &at(&v)?, &gate(&beta)?, &gate(&g)?, &stepped_memory)?;
             stepped.push(out);
             stepped_memory = next;
         }
