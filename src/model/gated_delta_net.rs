@@ -89,8 +89,8 @@ pub struct GatedDeltaNet {
     /// depthwise causal convolution over the local [q | k | v] channels, [kernel, channels]:
     /// one row per tap, so a tap is one broadcast multiply over the tokens
     conv: Tensor,
-    /// -exp(A_log) per local value head, [local value heads] f32 on the layer's device (the
-    /// gates are device tensor ops: decode never copies them through the host)
+    /// -exp(A_log) per local value head, [local value heads] f32 on the layer's device (see
+    /// `gates`: tensor ops on a GPU, a host loop on a CPU)
     neg_a: Tensor,
     /// [local value heads] f32
     dt_bias: Tensor,
