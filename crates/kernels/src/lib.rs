@@ -12,3 +12,18 @@
 
 pub mod cpu_matmul;
 pub mod quant;
+
+/// Deterministic test inputs shared by the quantized formats' and kernels' tests.
+#[cfg(test)]
+pub(crate) mod test_values {
+    /// `len` values in [-1, 1) from an LCG seeded by `seed`.
+    pub fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+}

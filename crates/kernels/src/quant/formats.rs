@@ -264,16 +264,7 @@ pub fn quantize_matrix(dtype: GgmlDType, rows: usize, cols: usize, values: Vec<f
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..len)
-            .map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_values::values;
 
     fn dequantized(sliced: &Sliced) -> Vec<f32> {
         match sliced {

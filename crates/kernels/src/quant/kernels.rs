@@ -314,6 +314,22 @@ mod x86 {
     const Q5_1: u8 = 3;
     const Q8_0: u8 = 4;
 
+    /// `$body::<$vnni, F>($args)` with `F` the format constant of `dtype`. Only 32-value block
+    /// formats reach here: `matmul` sends K-quants to candle's dot products, and a `QMatrix`
+    /// holds only the formats `formats::supported` admits.
+    macro_rules! by_format {
+        ($dtype:expr, $body:ident::<$vnni:tt>($($arg:expr),*)) => {
+            match $dtype {
+                GgmlDType::Q4_0 => $body::<$vnni, Q4_0>($($arg),*),
+                GgmlDType::Q4_1 => $body::<$vnni, Q4_1>($($arg),*),
+                GgmlDType::Q5_0 => $body::<$vnni, Q5_0>($($arg),*),
+                GgmlDType::Q5_1 => $body::<$vnni, Q5_1>($($arg),*),
+                GgmlDType::Q8_0 => $body::<$vnni, Q8_0>($($arg),*),
+                other => unreachable!("{other:?} is not a 32-value block format (matmul routes the others)"),
+            }
+        };
+    }
+
     /// One instantiation of [`dot_body`] per format, compiled for the features of `$features`.
     macro_rules! dot_fn {
         ($name:ident, $vnni:expr, $features:literal) => {
@@ -325,16 +341,7 @@ mod x86 {
             #[target_feature(enable = $features)]
             unsafe fn $name(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
                 // SAFETY: forwarded contract.
-                unsafe {
-                    match dtype {
-                        GgmlDType::Q4_0 => dot_body::<$vnni, Q4_0>(row, act),
-                        GgmlDType::Q4_1 => dot_body::<$vnni, Q4_1>(row, act),
-                        GgmlDType::Q5_0 => dot_body::<$vnni, Q5_0>(row, act),
-                        GgmlDType::Q5_1 => dot_body::<$vnni, Q5_1>(row, act),
-                        GgmlDType::Q8_0 => dot_body::<$vnni, Q8_0>(row, act),
-                        other => panic!("{other:?} is not a 32-value block format"),
-                    }
-                }
+                unsafe { by_format!(dtype, dot_body::<$vnni>(row, act)) }
             }
         };
     }
@@ -351,16 +358,7 @@ mod x86 {
             #[target_feature(enable = $features)]
             unsafe fn $name(dtype: GgmlDType, row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
                 // SAFETY: forwarded contract.
-                unsafe {
-                    match dtype {
-                        GgmlDType::Q4_0 => dot4_body::<$vnni, Q4_0>(row, acts),
-                        GgmlDType::Q4_1 => dot4_body::<$vnni, Q4_1>(row, acts),
-                        GgmlDType::Q5_0 => dot4_body::<$vnni, Q5_0>(row, acts),
-                        GgmlDType::Q5_1 => dot4_body::<$vnni, Q5_1>(row, acts),
-                        GgmlDType::Q8_0 => dot4_body::<$vnni, Q8_0>(row, acts),
-                        other => panic!("{other:?} is not a 32-value block format"),
-                    }
-                }
+                unsafe { by_format!(dtype, dot4_body::<$vnni>(row, acts)) }
             }
         };
     }
@@ -591,16 +589,7 @@ mod x86 {
 mod tests {
     use super::super::formats::{Sliced, dequantize, quantize_matrix};
     use super::*;
-
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..len)
-            .map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_values::values;
 
     /// Every format on every path this CPU has, odd shapes included, against a plain f32
     /// matmul of the dequantized weights; and the simple formats' SIMD paths against the scalar
