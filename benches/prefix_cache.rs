@@ -12,10 +12,10 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
+use support::served::{client, percentile, start_server, stop, wait_ready};
+
 use std::time::{Duration, Instant};
 
-use tpserve::net::{self, Address};
 use tpserve::proto::v1 as pb;
 use tpserve::proto::v1::generator_client::GeneratorClient;
 
@@ -59,7 +59,7 @@ fn main() {
     let mut p50_later = Vec::new();
     for setting in ["off", "on"] {
         let address = format!("unix://{}", dir.path().join(format!("api-{setting}.sock")).display());
-        let mut server = start_server(&model, &address, setting);
+        let mut server = start_server(&model, &address, &["--prefix-cache", setting, "--kv-cache-gib", "2"]);
         runtime.block_on(async {
             wait_ready(&address).await;
             let started = Instant::now();
@@ -146,47 +146,3 @@ async fn generate(client: &mut GeneratorClient<tonic::transport::Channel>, promp
     (reply, ttft)
 }
 
-fn start_server(model: &std::path::Path, address: &str, prefix_cache: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_tpserve"))
-        .args(["serve", "--tp", "1", "--max-batch-size", "64", "--prefix-cache", prefix_cache, "--listen", address])
-        .args(["--kv-cache-gib", "2", "--model"])
-        .arg(model)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
-}
-
-fn stop(server: &mut Child) {
-    // SAFETY: kill(2) on our own child's pid; no memory is involved.
-    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
-    let _ = server.wait();
-}
-
-async fn client(address: &str) -> GeneratorClient<tonic::transport::Channel> {
-    let address: Address = address.parse().unwrap();
-    GeneratorClient::new(net::connect(&address, Duration::from_secs(10)).await.unwrap())
-}
-
-async fn wait_ready(address: &str) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Ok(address) = address.parse::<Address>() {
-            if let Ok(channel) = net::connect(&address, Duration::from_secs(1)).await {
-                if GeneratorClient::new(channel).model_info(pb::ModelInfoRequest::default()).await.is_ok() {
-                    return;
-                }
-            }
-        }
-        assert!(Instant::now() < deadline, "server did not start");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-fn percentile(values: &mut [f64], q: f64) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    values.sort_by(f64::total_cmp);
-    values[((values.len() - 1) as f64 * q).round() as usize]
-}

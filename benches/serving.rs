@@ -14,16 +14,15 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
+use support::served::{client, percentile, start_server, stop, wait_ready};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tpserve::model::loader::LoadProgress;
 use tpserve::model::parallel::TpGroup;
 use tpserve::model::{LoadOptions, Model};
-use tpserve::net::{self, Address};
 use tpserve::proto::v1 as pb;
-use tpserve::proto::v1::generator_client::GeneratorClient;
 use tpserve::rank::offline;
 
 const PROMPT_TOKENS: usize = 32;
@@ -62,7 +61,7 @@ fn run_format(model: &std::path::Path, dir: &std::path::Path, format: &str) {
     let baseline = in_process_decode(model, format);
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let address = format!("unix://{}", dir.join(format!("api-{format}.sock")).display());
-    let mut server = start_server(model, &address, format);
+    let mut server = start_server(model, &address, &weight_flags(format));
     runtime.block_on(async {
         wait_ready(&address).await;
         run_level(&address, 2, 0).await; // warm-up
@@ -96,42 +95,6 @@ fn run_format(model: &std::path::Path, dir: &std::path::Path, format: &str) {
         println!("served batch-1 decode: {single_decode:.1} tokens/s; in-process loop (no RPC): {baseline:.1} tokens/s; ratio {:.3}", single_decode / baseline);
     });
     stop(&mut server);
-}
-
-fn start_server(model: &std::path::Path, address: &str, format: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_tpserve"))
-        .args(["serve", "--tp", "1", "--max-batch-size", "64", "--listen", address, "--model"])
-        .arg(model)
-        .args(weight_flags(format))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
-}
-
-fn stop(server: &mut Child) {
-    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
-    let _ = server.wait();
-}
-
-async fn client(address: &str) -> GeneratorClient<tonic::transport::Channel> {
-    let address: Address = address.parse().unwrap();
-    GeneratorClient::new(net::connect(&address, Duration::from_secs(10)).await.unwrap())
-}
-
-async fn wait_ready(address: &str) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Ok(address) = address.parse::<Address>() {
-            if let Ok(channel) = net::connect(&address, Duration::from_secs(1)).await {
-                if GeneratorClient::new(channel).model_info(pb::ModelInfoRequest::default()).await.is_ok() {
-                    return;
-                }
-            }
-        }
-        assert!(Instant::now() < deadline, "server did not start");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// `concurrency` streams at once, each on its own connection; returns them and the wall time.
@@ -208,10 +171,3 @@ fn in_process_decode(model: &std::path::Path, format: &str) -> f64 {
     best
 }
 
-fn percentile(values: &mut [f64], q: f64) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    values.sort_by(f64::total_cmp);
-    values[((values.len() - 1) as f64 * q).round() as usize]
-}

@@ -1,6 +1,8 @@
 //! Shared by the benchmarks: random-weight models in the Hugging Face layout.
 #![allow(dead_code)]
 
+pub mod served;
+
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
