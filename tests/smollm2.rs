@@ -267,13 +267,14 @@ fn greedy_tokens_and_logits_match_transformers_at_tp1_and_tp3() {
 
 /// The Q4_1 GGUF kept in its blocks (`--dtype auto`: integer kernels, activations quantized to
 /// 8 bits per 32 values, as llama.cpp does):
-/// - against llama.cpp on the same file (tests/fixtures/smollm2_135m/llamacpp_greedy.json, made
-///   by scripts/bench_llamacpp.py): the 32 free-running greedy ids at TP 1 are llama.cpp's;
 /// - against the dequantized f32 path (`--dtype f32`, whose ids equal transformers', above):
-///   teacher-forced over the f32 ids, the largest logit difference and top-1 agreement;
-/// - at TP 3 (a 192-wide slice of the 576-wide input, 6 whole Q4_1 blocks per row), the
-///   greedy ids until a step whose top-2 margin at TP 1 is below the difference summation
-///   order makes; the test prints that margin.
+///   teacher-forced over the f32 ids, the largest logit difference (the quantization noise)
+///   and top-1 agreement;
+/// - against llama.cpp on the same file (tests/fixtures/smollm2_135m/llamacpp_greedy.json, made
+///   by scripts/bench_llamacpp.py) and at TP 3 (a 192-wide slice of the 576-wide input, 6 whole
+///   Q4_1 blocks per row): the free-running greedy ids equal TP 1's for at least 4 steps, and
+///   where they part, TP 1's top-2 margin is within the quantization noise; the test prints
+///   the step and the margin.
 #[test]
 fn quantized_gguf_matches_llama_cpp_and_stays_close_to_the_f32_path() {
     let Some(path) = model() else { return };
@@ -313,29 +314,33 @@ fn quantized_gguf_matches_llama_cpp_and_stays_close_to_the_f32_path() {
     assert!(agree * 10 >= want.len() * 9, "top-1 agreement {agree}/{}", want.len());
     assert!(diff < 3.0, "max |logit diff| {diff}");
 
-    // Against llama.cpp, free-running: the same integer arithmetic gives the same ids.
+    // Free-running greedy ids against two other runs of the same weights: llama.cpp on the same
+    // file, and tpserve at TP 3. Each sums the same integer block products in another float
+    // order (llama.cpp: eight partial sums per row, horizontally added at the end; tpserve's
+    // interleaved rows: one exact integer sum per block; TP 3: row-parallel sums all-reduced),
+    // and 8-bit activations turn such rounding into whole quantization steps, so each run is
+    // another draw of the quantization noise measured above. Where one parts from TP 1, TP 1's
+    // margin between the two choices must lie within that noise (a wrong kernel or slice errs by
+    // whole logits at once, from the first steps).
     let (tp1_ids, _) = eval_shard_dtype(path, &prompt_ids, 1, 32, "auto");
-    let same = tp1_ids.iter().zip(&llama_ids).filter(|(a, b)| a == b).count();
-    eprintln!("SmolLM2 Q4_1 quantized TP 1: {same}/32 greedy ids equal llama.cpp's on the same file");
-    assert_eq!(tp1_ids, llama_ids, "quantized TP 1 against llama.cpp");
+    let tp1_rows = tpserve::rank::offline::teacher_forced(&quantized, 1, &prompt_ids, &tp1_ids).unwrap().unwrap();
+    let parts_within_noise = |label: &str, other: &[u32]| {
+        let Some(step) = other.iter().zip(&tp1_ids).position(|(a, b)| a != b) else {
+            eprintln!("SmolLM2 Q4_1 quantized: {label}'s 32 greedy ids equal TP 1's");
+            return;
+        };
+        let margin = tp1_rows[step][tp1_ids[step] as usize] - tp1_rows[step][other[step] as usize];
+        eprintln!(
+            "SmolLM2 Q4_1 quantized: {label}'s ids equal TP 1's for {step} steps, then {} where TP 1 has {}: TP 1's margin between them is {margin:.4} (quantization noise: {diff:.3})",
+            other[step], tp1_ids[step]
+        );
+        assert!(step >= 4 && margin < diff, "{label} parts from TP 1 at step {step} with a margin of {margin}");
+    };
+    parts_within_noise("llama.cpp on the same file", &llama_ids);
 
-    // TP 3 against TP 1. The sums of row-parallel layers are all-reduced in another order, and
-    // 8-bit activations turn such rounding into whole quantization steps, so the two runs are two
-    // draws of the quantization noise measured above. Where they part, TP 1's margin between
-    // the two choices must lie within that noise (a wrong slice errs by whole logits at once).
     let (tp3_ids, tp3_logits) = eval_shard_dtype(path, &prompt_ids, 3, 32, "auto");
     let tp3_diff = common::max_abs_diff(&tp3_logits, &want[0]);
     eprintln!("SmolLM2 Q4_1 quantized TP 3: prompt logits max |diff| against f32 = {tp3_diff:.3e}");
     assert!(tp3_diff < 3.0, "TP 3 prompt logits against f32: {tp3_diff}");
-    let Some(step) = tp3_ids.iter().zip(&tp1_ids).position(|(a, b)| a != b) else {
-        eprintln!("SmolLM2 Q4_1 quantized TP 3: 32/32 greedy ids equal TP 1's");
-        return;
-    };
-    let rows = tpserve::rank::offline::teacher_forced(&quantized, 1, &prompt_ids, &tp1_ids).unwrap().unwrap();
-    let margin = rows[step][tp1_ids[step] as usize] - rows[step][tp3_ids[step] as usize];
-    eprintln!(
-        "SmolLM2 Q4_1 quantized TP 3: ids equal TP 1's for {step} steps, then {} where TP 1 has {}: TP 1's margin between them is {margin:.4} (quantization noise: {diff:.3})",
-        tp3_ids[step], tp1_ids[step]
-    );
-    assert!(step >= 4 && margin < diff, "TP 3 parts from TP 1 at step {step} with a margin of {margin}");
+    parts_within_noise("TP 3", &tp3_ids);
 }

@@ -8,9 +8,11 @@
 //!   columns on block boundaries, else re-quantized to Q8_0, else f32), load-time quantization.
 //! - [`kernels`]: activations quantized per block to 8 bits and integer dot products, AVX-512
 //!   VNNI / AVX2 / portable, chosen in one place ([`kernels::Path::selected`]).
+//! - [`interleaved`]: the resident layout of the 32-value block formats (Q4_0..Q8_0), eight
+//!   rows interleaved so that one vector holds the same block of eight rows, and its products.
 //! - [`Weight`]: the weight of a linear layer, embedding or LM head, dense or quantized.
 
-pub use tpserve_kernels::quant::{formats, kernels};
+pub use tpserve_kernels::quant::{formats, interleaved, kernels};
 
 use std::sync::Arc;
 
@@ -37,11 +39,26 @@ pub struct Segment {
     /// the block format, or F32 for a dense f32 part
     pub dtype: GgmlDType,
     pub rows: usize,
-    /// U8 `[rows, row_bytes]` of blocks, or F32 `[rows, cols]`
+    /// U8 `[rows, row_bytes]` of blocks (eight rows interleaved where
+    /// [`interleaved::packable`]), or F32 `[rows, cols]`
     data: Tensor,
 }
 
 impl Segment {
+    /// A segment of `rows` rows of `cols` values from GGML's row-major block bytes.
+    fn blocks(dtype: GgmlDType, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Self> {
+        let rb = formats::row_bytes(dtype, cols);
+        let bytes = if interleaved::packable(dtype) { interleaved::pack(dtype, rows, cols, &bytes) } else { bytes };
+        Ok(Segment { dtype, rows, data: Tensor::from_vec(bytes, (rows, rb), &Device::Cpu)? })
+    }
+
+    /// Its blocks in GGML's row-major layout (a copy).
+    fn row_major_bytes(&self, cols: usize) -> Result<Vec<u8>> {
+        with_bytes(&self.data, |bytes| {
+            if interleaved::packable(self.dtype) { interleaved::unpack(self.dtype, self.rows, cols, bytes) } else { bytes.to_vec() }
+        })
+    }
+
     pub fn resident_bytes(&self) -> usize {
         self.data.elem_count() * self.data.dtype().size_in_bytes()
     }
@@ -78,9 +95,7 @@ impl Weight {
         }
         Ok(match sliced {
             Sliced::Blocks { dtype, rows, cols, bytes } => {
-                let rb = formats::row_bytes(dtype, cols);
-                let data = Tensor::from_vec(bytes, (rows, rb), device)?;
-                Weight::Quant(Arc::new(QMatrix { rows, cols, segments: vec![Segment { dtype, rows, data }] }))
+                Weight::Quant(Arc::new(QMatrix { rows, cols, segments: vec![Segment::blocks(dtype, rows, cols, bytes)?] }))
             }
             Sliced::F32 { rows, cols, values } => Weight::Dense(Tensor::from_vec(values, (rows, cols), device)?),
         })
@@ -143,7 +158,13 @@ impl Weight {
             return Ok(Weight::Dense(Tensor::cat(&dense, 0)?));
         }
         let cols = parts[0].dims2()?.1;
-        let mut segments: Vec<Segment> = Vec::new();
+        // Consecutive parts of one format merge into one segment: their row-major blocks (or
+        // f32 rows) are concatenated, then held as a segment again (interleaved anew).
+        enum Run {
+            Blocks(GgmlDType, usize, Vec<u8>),
+            Dense(Vec<Tensor>),
+        }
+        let mut runs: Vec<Run> = Vec::new();
         let mut rows = 0;
         for part in parts {
             let (part_rows, part_cols) = part.dims2()?;
@@ -151,20 +172,41 @@ impl Weight {
                 bail!("cannot stack weights of {part_cols} and {cols} columns");
             }
             rows += part_rows;
-            let pieces: Vec<Segment> = match part {
-                Weight::Dense(t) => vec![Segment { dtype: GgmlDType::F32, rows: part_rows, data: t.to_dtype(DType::F32)? }],
-                Weight::Quant(q) => q.segments.iter().map(|s| Segment { dtype: s.dtype, rows: s.rows, data: s.data.clone() }).collect(),
+            let pieces: Vec<Run> = match part {
+                Weight::Dense(t) => vec![Run::Dense(vec![t.to_dtype(DType::F32)?])],
+                Weight::Quant(q) => q
+                    .segments
+                    .iter()
+                    .map(|s| {
+                        Ok(if s.dtype == GgmlDType::F32 {
+                            Run::Dense(vec![s.data.clone()])
+                        } else {
+                            Run::Blocks(s.dtype, s.rows, s.row_major_bytes(cols)?)
+                        })
+                    })
+                    .collect::<Result<_>>()?,
             };
             for piece in pieces {
-                match segments.last_mut() {
-                    Some(last) if last.dtype == piece.dtype => {
-                        last.data = Tensor::cat(&[&last.data, &piece.data], 0)?;
-                        last.rows += piece.rows;
+                match (runs.last_mut(), piece) {
+                    (Some(Run::Blocks(dtype, run_rows, bytes)), Run::Blocks(d, r, more)) if *dtype == d => {
+                        bytes.extend_from_slice(&more);
+                        *run_rows += r;
                     }
-                    _ => segments.push(piece),
+                    (Some(Run::Dense(tensors)), Run::Dense(more)) => tensors.extend(more),
+                    (_, piece) => runs.push(piece),
                 }
             }
         }
+        let segments = runs
+            .into_iter()
+            .map(|run| match run {
+                Run::Blocks(dtype, rows, bytes) => Segment::blocks(dtype, rows, cols, bytes),
+                Run::Dense(tensors) => {
+                    let data = Tensor::cat(&tensors, 0)?;
+                    Ok(Segment { dtype: GgmlDType::F32, rows: data.dims2()?.0, data })
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(Weight::Quant(Arc::new(QMatrix { rows, cols, segments })))
     }
 
@@ -201,7 +243,13 @@ impl QMatrix {
                     out.copy_from_slice(&s.data.get(row)?.to_vec1::<f32>()?);
                 } else {
                     let rb = formats::row_bytes(s.dtype, self.cols);
-                    with_bytes(&s.data, |bytes| formats::dequantize(s.dtype, &bytes[row * rb..(row + 1) * rb], out))?;
+                    with_bytes(&s.data, |bytes| {
+                        if interleaved::packable(s.dtype) {
+                            formats::dequantize(s.dtype, &interleaved::row(s.dtype, s.rows, self.cols, bytes, row), out)
+                        } else {
+                            formats::dequantize(s.dtype, &bytes[row * rb..(row + 1) * rb], out)
+                        }
+                    })?;
                 }
                 return Ok(());
             }
@@ -224,7 +272,13 @@ impl QMatrix {
             let y = if s.dtype == GgmlDType::F32 {
                 crate::model::parallel::matmul_transposed(&x32, &s.data)?
             } else {
-                let out = with_bytes(&s.data, |bytes| kernels::matmul(&values, m, k, s.dtype, bytes, s.rows, path))?;
+                let out = with_bytes(&s.data, |bytes| {
+                    if interleaved::packable(s.dtype) {
+                        interleaved::matmul(&values, m, k, s.dtype, bytes, s.rows, path)
+                    } else {
+                        kernels::matmul(&values, m, k, s.dtype, bytes, s.rows, path)
+                    }
+                })?;
                 Tensor::from_vec(out, (m, s.rows), &Device::Cpu)?
             };
             parts.push(y);
@@ -245,10 +299,17 @@ mod tests {
         let a = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q4K, 5, k, values(5 * k, 1)), &Device::Cpu).unwrap();
         let b = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q6K, 3, k, values(3 * k, 2)), &Device::Cpu).unwrap();
         let c = Weight::Dense(Tensor::from_vec(values(2 * k, 3), (2, k), &Device::Cpu).unwrap());
-        let w = Weight::cat_rows(vec![a.clone(), b.clone(), a, c]).unwrap();
-        assert_eq!(w.dims2().unwrap(), (15, k));
-        assert_eq!(w.format(), "q4_k+q6_k+f32");
-        let ids = Tensor::from_vec((0..15u32).collect::<Vec<_>>(), 15, &Device::Cpu).unwrap();
+        // interleaved formats, two adjacent parts of one merged (9 + 9 rows: two whole groups
+        // and a tail once merged)
+        let d = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q4_1, 9, k, values(9 * k, 5)), &Device::Cpu).unwrap();
+        let e = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q8_0, 11, k, values(11 * k, 6)), &Device::Cpu).unwrap();
+        let w = Weight::cat_rows(vec![a.clone(), b.clone(), a, c, d.clone(), d, e]).unwrap();
+        let rows = 15 + 18 + 11;
+        assert_eq!(w.dims2().unwrap(), (rows, k));
+        assert_eq!(w.format(), "q4_k+q6_k+f32+q4_1+q8_0");
+        let Weight::Quant(q) = &w else { panic!() };
+        assert_eq!(q.segments.len(), 6, "the two q4_1 parts merge");
+        let ids = Tensor::from_vec((0..rows as u32).collect::<Vec<_>>(), rows, &Device::Cpu).unwrap();
         let dense = w.rows_f32(&ids).unwrap();
         let x = Tensor::from_vec(values(m * k, 4), (m, k), &Device::Cpu).unwrap();
         let got = w.matmul_t(&x).unwrap().to_vec2::<f32>().unwrap();

@@ -1,4 +1,11 @@
 //! GGML block formats as bytes and the integer kernels that multiply them.
+//!
+//! - [`formats`]: the formats, a rank's slice of a tensor, load-time quantization.
+//! - [`kernels`]: 8-bit activations and dot products against GGML's row layout (K-quants, and
+//!   the rows of a matrix past its last group of eight).
+//! - [`interleaved`]: the resident layout of the 32-value block formats, eight rows interleaved,
+//!   and its products.
 
 pub mod formats;
+pub mod interleaved;
 pub mod kernels;

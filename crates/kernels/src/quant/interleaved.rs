@@ -1,0 +1,575 @@
+//! Weight rows interleaved eight at a time ("x8"): the resident layout of the 32-value block
+//! formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), and its matrix products.
+//!
+//! In GGML's row layout a dot product pays, for every 32-value block, a horizontal sum and
+//! scalar arithmetic on f16 scales; that bookkeeping, not the integer products, was most of a
+//! block's cost. Here block `b` of eight consecutive rows is stored together, arranged so that a
+//! 256-bit register holds four values of each of the eight rows, one row per 32-bit lane.
+//! Broadcasting four activation bytes to every lane then yields the eight rows' partial sums
+//! lane by lane: no horizontal sums, and the eight rows' scales widen in one instruction and
+//! multiply as one vector. llama.cpp's repacked CPU layouts (`q4_0_8x8`) rest on the same idea.
+//!
+//! A group-block (block `b` of rows `8g..8g+8`) has exactly the bytes of those eight GGML
+//! blocks, so a matrix keeps its size:
+//!
+//! | format | d, f16 x8 | m, f16 x8 | 5th bits | values |
+//! |--------|-----------|-----------|----------|--------|
+//! | Q4_0   | 16        |           |          | 128    |
+//! | Q4_1   | 16        | 16        |          | 128    |
+//! | Q5_0   | 16        |           | 32       | 128    |
+//! | Q5_1   | 16        | 16        | 32       | 128    |
+//! | Q8_0   | 16        |           |          | 256    |
+//!
+//! - 4- and 5-bit values: 32-byte chunk `u` (0..4) holds in lane `r` bytes `4u..4u+4` of row r's
+//!   packed nibbles, whose low nibbles are values `4u..4u+4` and high nibbles `16+4u..16+4u+4`.
+//!   Register `t` (0..8: chunk `t % 4`, low nibbles for `t < 4`, high ones after) thus pairs with
+//!   activation values `4t..4t+4`.
+//! - 5th bits: 32-bit word `t` has bit `4r + i` set when value `4t + i` of row r has its 5th bit.
+//! - Q8_0: 32-byte chunk `t` (0..8) holds bytes `4t..4t+4` of row r in lane r.
+//!
+//! Rows past the last whole group stay in row layout after the groups and go through
+//! [`super::kernels`]. A product's additions happen in the same order on every path and for
+//! every batch size, so every path equals [`group_portable`] bit for bit, and a row's result does
+//! not depend on the batch it is in.
+
+use candle_core::quantized::GgmlDType;
+use rayon::prelude::*;
+
+use super::formats::row_bytes;
+use super::kernels::{self, ActQ8, Path, quantize_act};
+
+/// Rows per interleaved group: one per 32-bit lane of a 256-bit register.
+pub const GROUP: usize = 8;
+/// Groups per parallel task (32 rows, as the row-layout kernels).
+const GROUPS_PER_TASK: usize = 4;
+const QK: usize = 32;
+
+/// The formats held interleaved.
+pub fn packable(dtype: GgmlDType) -> bool {
+    use GgmlDType::*;
+    matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
+}
+
+/// Where the parts of a format's blocks are: in a GGML block and in a group-block.
+#[derive(Clone, Copy, Debug)]
+struct Parts {
+    /// an offset `m` per block (Q4_1, Q5_1)
+    offset: bool,
+    /// a 5th bit per value (Q5_0, Q5_1)
+    high: bool,
+    /// one signed byte per value (Q8_0)
+    eight_bit: bool,
+}
+
+impl Parts {
+    fn of(dtype: GgmlDType) -> Parts {
+        use GgmlDType::*;
+        match dtype {
+            Q4_0 => Parts { offset: false, high: false, eight_bit: false },
+            Q4_1 => Parts { offset: true, high: false, eight_bit: false },
+            Q5_0 => Parts { offset: false, high: true, eight_bit: false },
+            Q5_1 => Parts { offset: true, high: true, eight_bit: false },
+            Q8_0 => Parts { offset: false, high: false, eight_bit: true },
+            other => panic!("{other:?} is not held interleaved"),
+        }
+    }
+
+    // In a GGML block: d, then m, then the 5th bits (u32), then the values.
+    fn block_m(self) -> usize {
+        2
+    }
+    fn block_qh(self) -> usize {
+        2 + 2 * self.offset as usize
+    }
+    fn block_qs(self) -> usize {
+        self.block_qh() + 4 * self.high as usize
+    }
+
+    // In a group-block: the same parts, eight at a time.
+    fn group_m(self) -> usize {
+        16
+    }
+    fn group_qh(self) -> usize {
+        16 + 16 * self.offset as usize
+    }
+    fn group_qs(self) -> usize {
+        self.group_qh() + 32 * self.high as usize
+    }
+    fn group_bytes(self) -> usize {
+        self.group_qs() + if self.eight_bit { 256 } else { 128 }
+    }
+}
+
+/// Interleaves the eight GGML blocks `rows` into group-block `out`.
+fn pack_block(p: Parts, rows: [&[u8]; GROUP], out: &mut [u8]) {
+    for (r, blk) in rows.iter().enumerate() {
+        out[2 * r..2 * r + 2].copy_from_slice(&blk[..2]);
+        if p.offset {
+            out[p.group_m() + 2 * r..p.group_m() + 2 * r + 2].copy_from_slice(&blk[p.block_m()..p.block_m() + 2]);
+        }
+        let qs = &blk[p.block_qs()..];
+        let chunks = if p.eight_bit { 8 } else { 4 };
+        for c in 0..chunks {
+            let at = p.group_qs() + 32 * c + 4 * r;
+            out[at..at + 4].copy_from_slice(&qs[4 * c..4 * c + 4]);
+        }
+    }
+    if p.high {
+        for t in 0..8 {
+            let mut word = 0u32;
+            for (r, blk) in rows.iter().enumerate() {
+                let qh = u32::from_le_bytes(blk[p.block_qh()..p.block_qh() + 4].try_into().expect("4 bytes"));
+                word |= ((qh >> (4 * t)) & 0xF) << (4 * r);
+            }
+            out[p.group_qh() + 4 * t..p.group_qh() + 4 * t + 4].copy_from_slice(&word.to_le_bytes());
+        }
+    }
+}
+
+/// Row `r`'s GGML block out of group-block `group` (the inverse of [`pack_block`]).
+fn unpack_block(p: Parts, group: &[u8], r: usize, out: &mut [u8]) {
+    out[..2].copy_from_slice(&group[2 * r..2 * r + 2]);
+    if p.offset {
+        out[p.block_m()..p.block_m() + 2].copy_from_slice(&group[p.group_m() + 2 * r..p.group_m() + 2 * r + 2]);
+    }
+    let chunks = if p.eight_bit { 8 } else { 4 };
+    for c in 0..chunks {
+        let at = p.group_qs() + 32 * c + 4 * r;
+        out[p.block_qs() + 4 * c..p.block_qs() + 4 * c + 4].copy_from_slice(&group[at..at + 4]);
+    }
+    if p.high {
+        let mut qh = 0u32;
+        for t in 0..8 {
+            let word = u32::from_le_bytes(group[p.group_qh() + 4 * t..p.group_qh() + 4 * t + 4].try_into().expect("4 bytes"));
+            qh |= ((word >> (4 * r)) & 0xF) << (4 * t);
+        }
+        out[p.block_qh()..p.block_qh() + 4].copy_from_slice(&qh.to_le_bytes());
+    }
+}
+
+/// A row-major `[rows, cols]` matrix of `dtype` blocks in the interleaved layout (same size).
+pub fn pack(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8> {
+    let (p, ts, rb) = (Parts::of(dtype), dtype.type_size(), row_bytes(dtype, cols));
+    assert_eq!(bytes.len(), rows * rb, "{} bytes are not [{rows}, {cols}] of {dtype:?}", bytes.len());
+    let blocks = cols / QK;
+    let groups = rows / GROUP;
+    let mut out = vec![0u8; bytes.len()];
+    let (grouped, tail) = out.split_at_mut(groups * GROUP * rb);
+    grouped.par_chunks_mut(GROUP * rb.max(1)).enumerate().for_each(|(g, out)| {
+        for b in 0..blocks {
+            let rows = std::array::from_fn(|r| &bytes[(g * GROUP + r) * rb + b * ts..(g * GROUP + r) * rb + (b + 1) * ts]);
+            pack_block(p, rows, &mut out[b * p.group_bytes()..(b + 1) * p.group_bytes()]);
+        }
+    });
+    tail.copy_from_slice(&bytes[groups * GROUP * rb..]);
+    out
+}
+
+/// Row `row` of an interleaved matrix, as GGML row-layout bytes.
+pub fn row(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8], row: usize) -> Vec<u8> {
+    let (p, ts, rb) = (Parts::of(dtype), dtype.type_size(), row_bytes(dtype, cols));
+    assert!(row < rows && packed.len() == rows * rb);
+    let groups = rows / GROUP;
+    if row >= groups * GROUP {
+        return packed[row * rb..(row + 1) * rb].to_vec();
+    }
+    let (g, r) = (row / GROUP, row % GROUP);
+    let group = &packed[g * GROUP * rb..(g + 1) * GROUP * rb];
+    let mut out = vec![0u8; rb];
+    for (b, blk) in out.chunks_exact_mut(ts).enumerate() {
+        unpack_block(p, &group[b * p.group_bytes()..(b + 1) * p.group_bytes()], r, blk);
+    }
+    out
+}
+
+/// The row-major GGML bytes of an interleaved matrix (the inverse of [`pack`]).
+pub fn unpack(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8]) -> Vec<u8> {
+    (0..rows).flat_map(|r| row(dtype, rows, cols, packed, r)).collect()
+}
+
+/// `x [m, k] @ w.T` for `w` `[n, k]` interleaved (see [`pack`]): returns `[m, n]`.
+pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usize, path: Path) -> Vec<f32> {
+    assert!(path.available(), "this CPU has no {path:?} path");
+    let rb = row_bytes(dtype, k);
+    assert_eq!(w.len(), n * rb, "weight bytes do not match [{n}, {k}] of {dtype:?}");
+    assert_eq!(x.len(), m * k);
+    if m == 0 {
+        return Vec::new();
+    }
+    let acts: Vec<ActQ8> = x.chunks_exact(k).map(quantize_act).collect();
+    let groups = n / GROUP;
+    let grouped_rows = groups * GROUP;
+    // out_t[row][i]: weight rows are the parallel dimension.
+    let mut out_t = vec![0f32; grouped_rows * m];
+    let task_rows = GROUPS_PER_TASK * GROUP;
+    out_t.par_chunks_mut(task_rows * m.max(1)).enumerate().for_each(|(task, out)| {
+        for (i, out) in out.chunks_exact_mut(GROUP * m).enumerate() {
+            let g = task * GROUPS_PER_TASK + i;
+            let group = &w[g * GROUP * rb..(g + 1) * GROUP * rb];
+            let mut done = 0;
+            while done < m {
+                let take = (m - done).min(4);
+                let rows: Vec<&ActQ8> = acts[done..done + take].iter().collect();
+                let mut sums = [[0f32; GROUP]; 4];
+                group_dot(path, dtype, group, &rows, &mut sums[..take]);
+                for (j, lanes) in sums[..take].iter().enumerate() {
+                    for (r, v) in lanes.iter().enumerate() {
+                        out[r * m + done + j] = *v;
+                    }
+                }
+                done += take;
+            }
+        }
+    });
+    let mut out = vec![0f32; m * n];
+    for (row, values) in out_t.chunks_exact(m.max(1)).enumerate() {
+        for (i, &v) in values.iter().enumerate() {
+            out[i * n + row] = v;
+        }
+    }
+    if grouped_rows < n {
+        let tail = kernels::matmul(x, m, k, dtype, &w[grouped_rows * rb..], n - grouped_rows, path);
+        for i in 0..m {
+            out[i * n + grouped_rows..(i + 1) * n].copy_from_slice(&tail[i * (n - grouped_rows)..(i + 1) * (n - grouped_rows)]);
+        }
+    }
+    out
+}
+
+/// One group's eight rows against up to four activation rows: `out[j][r]` is row r dotted with
+/// activation row j. The one place a path is taken.
+fn group_dot(path: Path, dtype: GgmlDType, group: &[u8], acts: &[&ActQ8], out: &mut [[f32; GROUP]]) {
+    let blocks = acts[0].d.len();
+    assert!(acts.len() <= 4 && acts.len() == out.len());
+    assert!(group.len() == blocks * Parts::of(dtype).group_bytes());
+    assert!(acts.iter().all(|a| a.d.len() == blocks && a.s.len() == blocks && a.qs.len() == blocks * QK));
+    match path {
+        Path::Portable => group_portable(dtype, group, acts, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `matmul` asserted this CPU has the path; the group holds `blocks`
+        // group-blocks of `dtype` and every activation row `blocks` blocks (asserted above).
+        Path::Avx2 => unsafe { x86::group_avx2(dtype, group.as_ptr(), blocks, acts, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, with AVX-512 VNNI and VL checked by `Path::available`.
+        Path::Avx512Vnni => unsafe { x86::group_vnni(dtype, group.as_ptr(), blocks, acts, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => group_portable(dtype, group, acts, out),
+    }
+}
+
+/// The scalar reference: per block and lane, `acc = fma(isum, d_w * d_x, acc)` then
+/// `acc = fma(c_w, s_x, acc)` (`c_w`: `-8 d_w`, `-16 d_w`, or `m_w`; none for Q8_0), which is
+/// what every SIMD path computes lane by lane.
+pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8], out: &mut [[f32; GROUP]]) {
+    let p = Parts::of(dtype);
+    let f16 = |gb: &[u8], at: usize| half::f16::from_le_bytes([gb[at], gb[at + 1]]).to_f32();
+    for o in out.iter_mut() {
+        *o = [0.0; GROUP];
+    }
+    let mut values = [0i32; QK];
+    for (b, gb) in group.chunks_exact(p.group_bytes()).enumerate() {
+        for r in 0..GROUP {
+            let d = f16(gb, 2 * r);
+            let c = match dtype {
+                GgmlDType::Q4_0 => -8.0 * d,
+                GgmlDType::Q5_0 => -16.0 * d,
+                _ if p.offset => f16(gb, p.group_m() + 2 * r),
+                _ => 0.0,
+            };
+            // Row r's 32 values of this block: value 4t + i is byte i of lane r in register t.
+            for t in 0..8 {
+                let high = if p.high {
+                    u32::from_le_bytes(gb[p.group_qh() + 4 * t..p.group_qh() + 4 * t + 4].try_into().expect("4 bytes")) >> (4 * r)
+                } else {
+                    0
+                };
+                for i in 0..4 {
+                    values[4 * t + i] = if p.eight_bit {
+                        gb[p.group_qs() + 32 * t + 4 * r + i] as i8 as i32
+                    } else {
+                        let byte = gb[p.group_qs() + 32 * (t % 4) + 4 * r + i];
+                        let nibble = if t < 4 { byte & 15 } else { byte >> 4 };
+                        (nibble as u32 | ((high >> i) & 1) << 4) as i32
+                    };
+                }
+            }
+            for (act, o) in acts.iter().zip(out.iter_mut()) {
+                let x = &act.qs[b * QK..(b + 1) * QK];
+                let isum: i32 = values.iter().zip(x).map(|(&w, &x)| w * x as i32).sum();
+                o[r] = (isum as f32).mul_add(d * act.d[b], o[r]);
+                if !p.eight_bit {
+                    o[r] = c.mul_add(act.s[b], o[r]);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use candle_core::quantized::GgmlDType;
+
+    use super::{ActQ8, GROUP, Parts, QK};
+
+    const Q4_0: u8 = 0;
+    const Q4_1: u8 = 1;
+    const Q5_0: u8 = 2;
+    const Q5_1: u8 = 3;
+    const Q8_0: u8 = 4;
+
+    /// One instantiation per format and batch size (1..=4 activation rows), compiled for the
+    /// features of `$features`.
+    macro_rules! group_fn {
+        ($name:ident, $vnni:expr, $features:literal) => {
+            /// Eight interleaved rows against `acts` (1 to 4 rows): `out[j][r]`.
+            ///
+            /// # Safety
+            /// The CPU has the enabled features; `group` points to `blocks` group-blocks of
+            /// `dtype` (a packable format); every activation row holds `blocks` blocks.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $name(dtype: GgmlDType, group: *const u8, blocks: usize, acts: &[&ActQ8], out: &mut [[f32; GROUP]]) {
+                // SAFETY: forwarded contract.
+                unsafe {
+                    match dtype {
+                        GgmlDType::Q4_0 => rows::<$vnni, Q4_0>(group, blocks, acts, out),
+                        GgmlDType::Q4_1 => rows::<$vnni, Q4_1>(group, blocks, acts, out),
+                        GgmlDType::Q5_0 => rows::<$vnni, Q5_0>(group, blocks, acts, out),
+                        GgmlDType::Q5_1 => rows::<$vnni, Q5_1>(group, blocks, acts, out),
+                        GgmlDType::Q8_0 => rows::<$vnni, Q8_0>(group, blocks, acts, out),
+                        other => unreachable!("{other:?} is not held interleaved (packable() admits the others)"),
+                    }
+                }
+            }
+        };
+    }
+    group_fn!(group_avx2, false, "avx2,fma,f16c");
+    group_fn!(group_vnni, true, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni");
+
+    /// Dispatches on the batch size so that each size gets its own unrolled body.
+    ///
+    /// # Safety
+    /// As [`group_avx2`].
+    #[inline(always)]
+    unsafe fn rows<const VNNI: bool, const F: u8>(group: *const u8, blocks: usize, acts: &[&ActQ8], out: &mut [[f32; GROUP]]) {
+        // SAFETY: forwarded contract; each arm passes exactly its number of rows.
+        unsafe {
+            match acts.len() {
+                1 => body::<VNNI, F, 1>(group, blocks, [acts[0]], out),
+                2 => body::<VNNI, F, 2>(group, blocks, [acts[0], acts[1]], out),
+                3 => body::<VNNI, F, 3>(group, blocks, [acts[0], acts[1], acts[2]], out),
+                _ => body::<VNNI, F, 4>(group, blocks, [acts[0], acts[1], acts[2], acts[3]], out),
+            }
+        }
+    }
+
+    /// Four activation bytes `at..at+4` of a row, in every 32-bit lane.
+    #[inline(always)]
+    unsafe fn broadcast4(act: &ActQ8, at: usize) -> __m256i {
+        // SAFETY: the caller keeps `at + 4` within `act.qs`; the load is unaligned.
+        unsafe { _mm256_set1_epi32(act.qs.as_ptr().add(at).cast::<i32>().read_unaligned()) }
+    }
+
+    /// 32 bytes, 0x10 in byte j where bit j of the little-endian u32 at `p` is set, else 0.
+    #[inline(always)]
+    unsafe fn high_bits(p: *const u8) -> __m256i {
+        // SAFETY: 4 readable bytes at p; AVX2 is enabled by every caller.
+        unsafe {
+            let qh = p.cast::<u32>().read_unaligned() as i32;
+            let spread = _mm256_shuffle_epi8(
+                _mm256_set1_epi32(qh),
+                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
+            );
+            let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi8(-1));
+            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+        }
+    }
+
+    /// `acc + ` the i32 lane sums of the u8 x i8 products of `w` and `x` (four per lane): VNNI's
+    /// `vpdpbusd`, or AVX2's `vpmaddubsw` + `vpmaddwd` (pairs of products never overflow i16:
+    /// the values are at most 128 and the activations at most 127 in magnitude).
+    #[inline(always)]
+    unsafe fn dot_acc<const VNNI: bool>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        // SAFETY: the caller enables AVX2, and AVX-512 VNNI + VL when VNNI.
+        unsafe {
+            if VNNI {
+                _mm256_dpbusd_epi32(acc, w, x)
+            } else {
+                _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+            }
+        }
+    }
+
+    /// The lane-wise dot products of `R` activation rows with one group's eight rows.
+    ///
+    /// # Safety
+    /// As [`group_avx2`], with `R` equal to the number of rows of `out`.
+    #[inline(always)]
+    unsafe fn body<const VNNI: bool, const F: u8, const R: usize>(
+        group: *const u8,
+        blocks: usize,
+        acts: [&ActQ8; R],
+        out: &mut [[f32; GROUP]],
+    ) {
+        let p = Parts::of(match F {
+            Q4_0 => GgmlDType::Q4_0,
+            Q4_1 => GgmlDType::Q4_1,
+            Q5_0 => GgmlDType::Q5_0,
+            Q5_1 => GgmlDType::Q5_1,
+            _ => GgmlDType::Q8_0,
+        });
+        let gbytes = p.group_bytes();
+        // SAFETY (whole block): AVX2, FMA and F16C (and VNNI when asked) are enabled by every
+        // caller; group-block b < blocks is in bounds of `group`, activation bytes
+        // b * 32 + 4t + 4 <= blocks * 32 of every row (the caller's contract).
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..blocks {
+                let gb = group.add(b * gbytes);
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(gb.cast()));
+                let c = match F {
+                    Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                    Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+                    Q4_1 | Q5_1 => _mm256_cvtph_ps(_mm_loadu_si128(gb.add(p.group_m()).cast())),
+                    _ => _mm256_setzero_ps(),
+                };
+                let qs = gb.add(p.group_qs());
+                let x0 = b * QK;
+                let mut isum = [_mm256_setzero_si256(); R];
+                if F == Q8_0 {
+                    for t in 0..8 {
+                        let w = _mm256_loadu_si256(qs.add(32 * t).cast());
+                        // u8 x i8 products: |w| against x carrying w's sign.
+                        let magnitude = _mm256_sign_epi8(w, w);
+                        for j in 0..R {
+                            let x = _mm256_sign_epi8(broadcast4(acts[j], x0 + 4 * t), w);
+                            isum[j] = dot_acc::<VNNI>(isum[j], magnitude, x);
+                        }
+                    }
+                } else {
+                    let low = _mm256_set1_epi8(0x0F);
+                    let mut pairs = [_mm256_setzero_si256(); R];
+                    for u in 0..4 {
+                        let chunk = _mm256_loadu_si256(qs.add(32 * u).cast());
+                        let mut lo = _mm256_and_si256(chunk, low);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low);
+                        if F == Q5_0 || F == Q5_1 {
+                            let qh = gb.add(p.group_qh());
+                            lo = _mm256_or_si256(lo, high_bits(qh.add(4 * u)));
+                            hi = _mm256_or_si256(hi, high_bits(qh.add(4 * (u + 4))));
+                        }
+                        for j in 0..R {
+                            let (xlo, xhi) = (broadcast4(acts[j], x0 + 4 * u), broadcast4(acts[j], x0 + 16 + 4 * u));
+                            if VNNI {
+                                isum[j] = _mm256_dpbusd_epi32(isum[j], lo, xlo);
+                                isum[j] = _mm256_dpbusd_epi32(isum[j], hi, xhi);
+                            } else {
+                                pairs[j] = _mm256_add_epi16(pairs[j], _mm256_maddubs_epi16(lo, xlo));
+                                pairs[j] = _mm256_add_epi16(pairs[j], _mm256_maddubs_epi16(hi, xhi));
+                            }
+                        }
+                        // AVX2 widens the i16 pair sums to i32 before they can overflow: a pair
+                        // is at most 2 * 15 * 127 (4-bit) or 2 * 31 * 127 (5-bit), so eight
+                        // 4-bit pairs or four 5-bit ones fit in an i16.
+                        let widen = if F == Q5_0 || F == Q5_1 { u % 2 == 1 } else { u == 3 };
+                        if !VNNI && widen {
+                            for j in 0..R {
+                                isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(pairs[j], _mm256_set1_epi16(1)));
+                                pairs[j] = _mm256_setzero_si256();
+                            }
+                        }
+                    }
+                }
+                for j in 0..R {
+                    let scale = _mm256_mul_ps(d, _mm256_set1_ps(*acts[j].d.get_unchecked(b)));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), scale, acc[j]);
+                    if F != Q8_0 {
+                        acc[j] = _mm256_fmadd_ps(c, _mm256_set1_ps(*acts[j].s.get_unchecked(b)), acc[j]);
+                    }
+                }
+            }
+            for j in 0..R {
+                _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::formats::{Sliced, dequantize, quantize_matrix};
+    use super::*;
+    use crate::test_values::values;
+
+    const FORMATS: [GgmlDType; 5] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0];
+
+    fn blocks(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let Sliced::Blocks { bytes, dtype: held, .. } = quantize_matrix(dtype, rows, cols, values(rows * cols, seed)) else { panic!() };
+        assert_eq!(held, dtype);
+        bytes
+    }
+
+    #[test]
+    fn packing_keeps_the_size_and_unpacks_to_the_same_rows() {
+        for dtype in FORMATS {
+            for rows in [1, 7, 8, 9, 16, 21] {
+                let cols = 96;
+                let bytes = blocks(dtype, rows, cols, rows as u64);
+                let packed = pack(dtype, rows, cols, &bytes);
+                assert_eq!(packed.len(), bytes.len());
+                if rows >= GROUP {
+                    assert_ne!(packed, bytes, "{dtype:?}: a whole group is rearranged");
+                }
+                assert_eq!(unpack(dtype, rows, cols, &packed), bytes, "{dtype:?} rows {rows}");
+                let rb = row_bytes(dtype, cols);
+                assert_eq!(row(dtype, rows, cols, &packed, rows - 1), bytes[(rows - 1) * rb..]);
+            }
+        }
+    }
+
+    /// Every path this CPU has equals the scalar reference bit for bit on the grouped rows, on
+    /// every format and batch size (tail rows: to rounding); the reference is within activation rounding of the dequantized product; and
+    /// a row's result is the same alone or in a batch.
+    #[test]
+    fn every_path_equals_the_reference_and_the_dequantized_product() {
+        let mut ran = Vec::new();
+        for path in Path::ALL.into_iter().filter(|p| p.available()) {
+            ran.push(path);
+            for dtype in FORMATS {
+                for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (9, 1536, 8)] {
+                    let bytes = blocks(dtype, n, k, (m * k + n) as u64);
+                    let packed = pack(dtype, n, k, &bytes);
+                    let mut wd = vec![0f32; n * k];
+                    dequantize(dtype, &bytes, &mut wd);
+                    let x = values(m * k, 7 + k as u64);
+                    let got = matmul(&x, m, k, dtype, &packed, n, path);
+                    let reference = matmul(&x, m, k, dtype, &packed, n, Path::Portable);
+                    for i in 0..m {
+                        let alone = matmul(&x[i * k..(i + 1) * k], 1, k, dtype, &packed, n, path);
+                        let xi = &x[i * k..(i + 1) * k];
+                        let xnorm = xi.iter().map(|v| v * v).sum::<f32>().sqrt();
+                        for j in 0..n {
+                            let g = got[i * n + j];
+                            let at = format!("{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]");
+                            let want = reference[i * n + j];
+                            if j < n / GROUP * GROUP {
+                                assert_eq!(g.to_bits(), want.to_bits(), "{at}: {g} vs reference {want}");
+                            } else {
+                                // a tail row, in row layout: the row kernels' own order
+                                assert!((g - want).abs() <= 1e-4 * (1.0 + want.abs()), "{at}: {g} vs reference {want}");
+                            }
+                            assert_eq!(g.to_bits(), alone[j].to_bits(), "{at}: batch {g} vs alone {}", alone[j]);
+                            let wrow = &wd[j * k..(j + 1) * k];
+                            let exact: f32 = wrow.iter().zip(xi).map(|(a, b)| a * b).sum();
+                            let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
+                            assert!((g - exact).abs() <= 0.01 * wnorm * xnorm + 1e-4, "{at}: {g} vs dequantized {exact}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(ran.contains(&Path::Portable));
+        eprintln!("interleaved kernel paths tested on this CPU: {ran:?}");
+    }
+}
