@@ -390,7 +390,7 @@ pub async fn run(cli: Cli) -> Result<std::process::ExitCode> {
         Command::Demo => demo::run().await,
         Command::EvalShard(args) => {
             init_logging(&cli.log_format);
-            eval_shard::run(args)?;
+            crate::model::compute_pool::run("compute", || eval_shard::run(args))??;
             Ok(ExitCode::SUCCESS)
         }
         Command::BenchCollective(args) => {

@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod cache;
+pub mod compute_pool;
 pub mod config;
 pub use tpserve_kernels::cpu_matmul;
 pub mod decoder;

@@ -63,7 +63,10 @@ pub struct WorkerConfig {
 /// Starts the worker thread and returns the queue that feeds it.
 pub fn spawn(config: WorkerConfig, shared: Arc<Mutex<SharedState>>) -> std::io::Result<std::sync::mpsc::Sender<Command>> {
     let (sender, receiver) = std::sync::mpsc::channel::<Command>();
-    std::thread::Builder::new().name("device-worker".into()).spawn(move || {
+    // The worker loop runs on a thread of the compute pool, so that the products it starts run
+    // in the pool without a sleep and wake-up each (see model::compute_pool).
+    let pool = crate::model::compute_pool::pool("device-worker")?;
+    std::thread::Builder::new().name("device-worker".into()).spawn(move || pool.install(move || {
         let mut worker = Worker { config, shared, group: None, models: HashMap::new() };
         worker.publish_device_memory();
         while let Ok(command) = receiver.recv() {
@@ -83,7 +86,7 @@ pub fn spawn(config: WorkerConfig, shared: Arc<Mutex<SharedState>>) -> std::io::
             }
             worker.publish_device_memory();
         }
-    })?;
+    }))?;
     Ok(sender)
 }
 
