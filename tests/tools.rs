@@ -95,7 +95,8 @@ fn qwen3_template_renders_like_transformers() {
 
 /// A Qwen3 tool call as the model emits it (the real tokenizer's tokens, after some content),
 /// detokenized token by token as the engine does, splits into content and the call, streamed or
-/// whole; the arguments come back as Python's json.dumps text.
+/// whole; streamed, the call comes with the `</tool_call>` token; the arguments come back as
+/// Python's json.dumps text.
 #[test]
 fn the_parser_reads_a_real_qwen3_tool_call() {
     let example = text(&oracle(), "tool_call_output_example").unwrap();
@@ -105,23 +106,24 @@ fn the_parser_reads_a_real_qwen3_tool_call() {
     assert!(ids.contains(&151657) && ids.contains(&151658), "<tool_call> and </tool_call> are single tokens: {ids:?}");
     let mut decoder = IncrementalDecoder::new(tokenizer.clone(), &[151644, 77091, 198]);
     let mut parser = tools::StreamParser::default();
-    let mut streamed = String::new();
+    let mut streamed = tools::Output::default();
     let mut whole = String::new();
     for id in ids {
         let delta = decoder.push(id).unwrap();
         whole.push_str(&delta);
-        streamed.push_str(&parser.push(&delta));
+        let out = parser.push(&delta);
+        assert_eq!(out.calls.is_empty(), id != 151658, "token {id}: the call comes with its end tag");
+        streamed.append(out);
     }
     let rest = decoder.finish();
     whole.push_str(&rest);
-    streamed.push_str(&parser.push(&rest));
+    streamed.append(parser.push(&rest));
+    streamed.append(parser.finish());
     assert_eq!(whole, output);
-    let end = parser.finish();
-    assert_eq!(streamed, "Let me check the weather.\n\n");
-    assert_eq!(end.content, "");
+    assert_eq!(streamed.content, "Let me check the weather.\n\n");
     let parsed = tools::parse(&whole);
-    assert_eq!(parsed.content, streamed);
-    for calls in [&end.calls, &parsed.calls] {
+    assert_eq!(parsed.content, streamed.content);
+    for calls in [&streamed.calls, &parsed.calls] {
         assert_eq!(calls.len(), 1);
         assert_eq!((calls[0].name.as_str(), calls[0].arguments.as_str()), ("get_weather", r#"{"city": "Paris"}"#));
     }

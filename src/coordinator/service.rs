@@ -300,7 +300,7 @@ impl Generator for GeneratorService {
         let prompt_ids = self.api.prompt_ids(&model, request.prompt, request.prompt_ids).await;
         let params = request.params.unwrap_or_default();
         let streams = self.api.start_choices(&model, prompt_ids, params, request.n, deadline, span).await?;
-        Ok(Response::new(choices::merge(streams, ToolChoice::None)))
+        Ok(Response::new(choices::merge(streams, &ToolChoice::None)))
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<ResponseStream>, Status> {
@@ -313,7 +313,7 @@ impl Generator for GeneratorService {
         let prompt_ids = self.api.validator.encode_chat(&model, messages, inputs).await;
         let params = request.params.unwrap_or_default();
         let streams = self.api.start_choices(&model, prompt_ids, params, request.n, deadline, span).await?;
-        Ok(Response::new(choices::merge(streams, tool_choice)))
+        Ok(Response::new(choices::merge(streams, &tool_choice)))
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {
