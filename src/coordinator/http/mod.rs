@@ -299,7 +299,10 @@ async fn complete(state: &HttpState, headers: &HeaderMap, body: Result<Bytes, By
 async fn start(state: &HttpState, model: &Arc<ModelHandle>, request: &Parsed, span: tracing::Span) -> Result<Vec<(usize, ClientStream)>, HttpError> {
     let api = &state.api;
     let prompts: Vec<Result<Vec<u32>, Error>> = match &request.prompts {
-        Prompts::Chat { messages, inputs } => vec![api.validator.encode_chat(model, messages.clone(), inputs.clone()).await],
+        Prompts::Chat { messages, inputs } => {
+            let forced = request.tool_choice.forced_prefix();
+            vec![api.validator.encode_chat(model, messages.clone(), inputs.clone(), forced).await]
+        }
         Prompts::Completion(inputs) => {
             let mut prompts = Vec::with_capacity(inputs.len());
             for input in inputs {

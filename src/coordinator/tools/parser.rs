@@ -39,6 +39,15 @@ pub struct StreamParser {
 }
 
 impl StreamParser {
+    /// A parser that has already read `prefix`, the forced opening of a call
+    /// ([`super::ToolChoice::forced_prefix`]): the model's output continues the block.
+    pub fn with_prefix(prefix: &str) -> Self {
+        let mut parser = Self::default();
+        // The prefix starts with the start tag, so it yields nothing.
+        let _ = parser.push(prefix);
+        parser
+    }
+
     /// How many calls have been found.
     pub fn calls(&self) -> usize {
         self.calls
@@ -187,5 +196,9 @@ mod tests {
         let mut parser = StreamParser::default();
         assert_eq!(parser.push("ends with <tool_c").content, "ends with ");
         assert_eq!(parser.finish().content, "<tool_c");
+        // A forced opening: the output continues the call.
+        let mut parser = StreamParser::with_prefix("<tool_call>\n{\"name\": \"");
+        assert_eq!(parser.push("f\", \"arguments\": {}}"), Output::default());
+        assert_eq!(call(&parser.finish(), 0), ("f", "{}"));
     }
 }

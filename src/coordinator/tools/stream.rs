@@ -17,8 +17,12 @@ pub fn read(stream: ClientStream, choice: &ToolChoice) -> BoxStream<'static, Ite
     if !choice.reads_calls() {
         return stream.boxed();
     }
+    let parser = match choice.forced_prefix() {
+        Some(prefix) => StreamParser::with_prefix(&prefix),
+        None => StreamParser::default(),
+    };
     stream
-        .scan(StreamParser::default(), |parser, item| {
+        .scan(parser, |parser, item| {
             let item = item.map(|mut message| {
                 let mut out = parser.push(&message.text);
                 if message.finish_reason != pb::FinishReason::Unspecified as i32 {
@@ -94,5 +98,18 @@ mod tests {
         // Not read for calls: the messages as they came.
         let plain = read_all(vec![message("<tool_call>", Unspecified), message("", Eos)], ToolChoice::None).await;
         assert_eq!((plain[0].text.as_str(), plain[1].finish_reason), ("<tool_call>", Eos as i32));
+    }
+
+    /// A forced opening is read in front of the output; output that does not make a call comes
+    /// back as content, opening included, with the engine's finish reason.
+    #[tokio::test]
+    async fn a_forced_opening_is_read_in_front_of_the_output() {
+        use pb::FinishReason::{Eos, Length};
+        let named = ToolChoice::Function("f".into());
+        let out = read_all(vec![message(" {\"x\": 2}}\n</tool_call>", Eos)], named.clone()).await;
+        assert_eq!((out[0].text.as_str(), call_of(&out[0])), ("", ("f", r#"{"x": 2}"#)));
+        let out = read_all(vec![message(" {\"x\": ", Length)], named).await;
+        assert_eq!(out[0].text, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": ");
+        assert_eq!((out[0].tool_calls.len(), out[0].finish_reason), (0, Length as i32));
     }
 }
