@@ -332,6 +332,16 @@ async fn chat_tool_fields_are_checked() {
         (pb::ChatRequest { tools_json: "[{".into(), ..Default::default() }, "tools_json is not valid JSON"),
         (pb::ChatRequest { tools_json: r#"[{"type": "function"}]"#.into(), ..Default::default() }, "tools[0].function.name is required"),
         (pb::ChatRequest { tool_choice: pb::ToolChoice::Auto as i32, ..Default::default() }, "needs tools"),
+        (
+            pb::ChatRequest {
+                tools_json: r#"[{"type": "function", "function": {"name": "f"}}]"#.into(),
+                tool_choice: pb::ToolChoice::Function as i32,
+                tool_choice_function: "g".into(),
+                ..Default::default()
+            },
+            "names the function \"g\", which is not in tools",
+        ),
+        (pb::ChatRequest { tool_choice_function: "f".into(), ..Default::default() }, "only read with tool_choice TOOL_CHOICE_FUNCTION"),
         (pb::ChatRequest { chat_template_kwargs_json: "[1]".into(), ..Default::default() }, "must be a JSON object"),
         (
             pb::ChatRequest {
@@ -355,4 +365,15 @@ async fn chat_tool_fields_are_checked() {
         assert_eq!(status.code(), Code::InvalidArgument, "{needle}: {}", status.message());
         assert!(status.message().contains(needle), "{:?} lacks {needle:?}", status.message());
     }
+    // qwen3_a's template knows no tools: a call in the Hermes format cannot be forced on it.
+    let request = pb::ChatRequest {
+        messages: vec![user],
+        tools_json: r#"[{"type": "function", "function": {"name": "f"}}]"#.into(),
+        tool_choice: pb::ToolChoice::Required as i32,
+        params: Some(greedy(Some(2))),
+        ..Default::default()
+    };
+    let status = client.chat(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{}", status.message());
+    assert!(status.message().contains("does not teach that format"), "{}", status.message());
 }

@@ -7,18 +7,19 @@
 //! for the chat must equal those for the reference ids sent as a raw prompt (so the served
 //! prompt is the reference prompt token for token); and through gRPC's Chat, which must match
 //! HTTP. The served model has random weights over the real Qwen3 vocabulary, written by the test,
-//! so it never calls a tool by itself: the output parser is tested on the real tokenizer's
-//! tokens of a Qwen3 tool call, streamed through the real detokenizer.
+//! so it never calls a tool by itself: here the output parser is tested on the real tokenizer's
+//! tokens of a Qwen3 tool call, streamed through the real detokenizer, and `tests/tool_calls.rs`
+//! serves a model that does call one.
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use minijinja::Value as TemplateValue;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tpserve::coordinator::chat_template::{ChatMessage, ChatTemplate, FunctionCall, TemplateInputs, ToolCall};
 use tpserve::coordinator::detokenizer::IncrementalDecoder;
 use tpserve::coordinator::{pyjson, tools};
@@ -95,7 +96,8 @@ fn qwen3_template_renders_like_transformers() {
 
 /// A Qwen3 tool call as the model emits it (the real tokenizer's tokens, after some content),
 /// detokenized token by token as the engine does, splits into content and the call, streamed or
-/// whole; the arguments come back as Python's json.dumps text.
+/// whole; streamed, the call comes with the `</tool_call>` token; the arguments come back as
+/// Python's json.dumps text.
 #[test]
 fn the_parser_reads_a_real_qwen3_tool_call() {
     let example = text(&oracle(), "tool_call_output_example").unwrap();
@@ -105,95 +107,36 @@ fn the_parser_reads_a_real_qwen3_tool_call() {
     assert!(ids.contains(&151657) && ids.contains(&151658), "<tool_call> and </tool_call> are single tokens: {ids:?}");
     let mut decoder = IncrementalDecoder::new(tokenizer.clone(), &[151644, 77091, 198]);
     let mut parser = tools::StreamParser::default();
-    let mut streamed = String::new();
+    let mut streamed = tools::Output::default();
     let mut whole = String::new();
     for id in ids {
         let delta = decoder.push(id).unwrap();
         whole.push_str(&delta);
-        streamed.push_str(&parser.push(&delta));
+        let out = parser.push(&delta);
+        assert_eq!(out.calls.is_empty(), id != 151658, "token {id}: the call comes with its end tag");
+        streamed.append(out);
     }
     let rest = decoder.finish();
     whole.push_str(&rest);
-    streamed.push_str(&parser.push(&rest));
+    streamed.append(parser.push(&rest));
+    streamed.append(parser.finish());
     assert_eq!(whole, output);
-    let end = parser.finish();
-    assert_eq!(streamed, "Let me check the weather.\n\n");
-    assert_eq!(end.content, "");
+    assert_eq!(streamed.content, "Let me check the weather.\n\n");
     let parsed = tools::parse(&whole);
-    assert_eq!(parsed.content, streamed);
-    for calls in [&end.calls, &parsed.calls] {
+    assert_eq!(parsed.content, streamed.content);
+    for calls in [&streamed.calls, &parsed.calls] {
         assert_eq!(calls.len(), 1);
         assert_eq!((calls[0].name.as_str(), calls[0].arguments.as_str()), ("get_weather", r#"{"city": "Paris"}"#));
     }
 }
 
 /// A random-weight Qwen3 over the real Qwen3 vocabulary with the real tokenizer and template,
-/// written once under target/: TP 2 splits its 4 query and 2 KV heads.
+/// written once under target/.
 fn qwen3_vocab_model() -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/test-qwen3-vocab-model");
     static MADE: std::sync::Once = std::sync::Once::new();
-    MADE.call_once(|| write_model(&dir));
+    MADE.call_once(|| common::qwen3_vocab::write_random(&dir));
     dir
-}
-
-fn write_model(dir: &Path) {
-    let (vocab, hidden, heads, kv_heads, head_dim, intermediate) = (151936usize, 32usize, 4usize, 2usize, 8usize, 64usize);
-    std::fs::create_dir_all(dir).unwrap();
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(oracle_dir().join(file), dir.join(file)).unwrap();
-    }
-    let config = json!({
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_hidden_layers": 1, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": true, "attention_bias": false,
-        "bos_token_id": null, "eos_token_id": 151645, "torch_dtype": "float32",
-    });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    std::fs::write(dir.join("generation_config.json"), json!({"eos_token_id": [151645, 151643]}).to_string()).unwrap();
-    let shapes: Vec<(String, Vec<usize>)> = [
-        ("model.embed_tokens.weight", vec![vocab, hidden]),
-        ("model.norm.weight", vec![hidden]),
-        ("model.layers.0.input_layernorm.weight", vec![hidden]),
-        ("model.layers.0.post_attention_layernorm.weight", vec![hidden]),
-        ("model.layers.0.self_attn.q_proj.weight", vec![heads * head_dim, hidden]),
-        ("model.layers.0.self_attn.k_proj.weight", vec![kv_heads * head_dim, hidden]),
-        ("model.layers.0.self_attn.v_proj.weight", vec![kv_heads * head_dim, hidden]),
-        ("model.layers.0.self_attn.o_proj.weight", vec![hidden, heads * head_dim]),
-        ("model.layers.0.self_attn.q_norm.weight", vec![head_dim]),
-        ("model.layers.0.self_attn.k_norm.weight", vec![head_dim]),
-        ("model.layers.0.mlp.gate_proj.weight", vec![intermediate, hidden]),
-        ("model.layers.0.mlp.up_proj.weight", vec![intermediate, hidden]),
-        ("model.layers.0.mlp.down_proj.weight", vec![hidden, intermediate]),
-    ]
-    .into_iter()
-    .map(|(name, shape)| (name.to_owned(), shape))
-    .collect();
-    // Deterministic pseudo-random weights (an LCG); norms are ones, as initialised.
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let data: Vec<Vec<u8>> = shapes
-        .iter()
-        .map(|(name, shape)| {
-            let count: usize = shape.iter().product();
-            let values: Vec<f32> = if name.ends_with("norm.weight") {
-                vec![1.0; count]
-            } else {
-                (0..count)
-                    .map(|_| {
-                        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                        ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5
-                    })
-                    .collect()
-            };
-            values.iter().flat_map(|v| v.to_le_bytes()).collect()
-        })
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = shapes
-        .iter()
-        .zip(&data)
-        .map(|((name, shape), bytes)| (name.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes).unwrap()))
-        .collect();
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
 
 /// The official client: chats with tools, with a tool call and its result, and with

@@ -76,6 +76,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// whether the template teaches Hermes-style calls (see [`ChatTemplate::writes_hermes_calls`])
+    hermes_calls: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -149,9 +151,10 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", pyjson::tojson);
         env.set_formatter(python_formatter);
+        let hermes_calls = source.contains("<tool_call>") && !source.contains("<function=");
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| anyhow!("chat template error: template does not compile: {}", describe(&e)))?;
-        Ok(ChatTemplate { env, bos_token, eos_token })
+        Ok(ChatTemplate { env, bos_token, eos_token, hermes_calls })
     }
 
     pub fn bos_token(&self) -> Option<&str> {
@@ -160,6 +163,14 @@ impl ChatTemplate {
 
     pub fn eos_token(&self) -> Option<&str> {
         self.eos_token.as_deref()
+    }
+
+    /// Whether the template teaches the model Hermes-style calls, `<tool_call>` around a JSON
+    /// object (Qwen2.5, Qwen3, Hermes): it mentions the tag, and not the XML-style `<function=`
+    /// calls Qwen3-Coder writes inside the same tag. A forced call is written in that format, so
+    /// it is only forced on models that were taught it.
+    pub fn writes_hermes_calls(&self) -> bool {
+        self.hermes_calls
     }
 
     /// Renders a conversation. `add_generation_prompt` appends the assistant turn header so

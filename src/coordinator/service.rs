@@ -239,13 +239,20 @@ fn chat_inputs(request: &mut pb::ChatRequest) -> Result<(Vec<ChatMessage>, Templ
             kwargs.insert(key.to_string(), item);
         }
     }
+    // As OpenAI's JSON, so both APIs read it in one place.
+    let function = std::mem::take(&mut request.tool_choice_function);
     let choice = match pb::ToolChoice::try_from(request.tool_choice) {
+        Ok(pb::ToolChoice::Function) => Some(serde_json::json!({"type": "function", "function": {"name": function}})),
+        Ok(_) if !function.is_empty() => {
+            return Err(Error::invalid("tool_choice_function is only read with tool_choice TOOL_CHOICE_FUNCTION"));
+        }
         Ok(pb::ToolChoice::Unspecified) => None,
         Ok(pb::ToolChoice::None) => Some(serde_json::json!("none")),
         Ok(pb::ToolChoice::Auto) => Some(serde_json::json!("auto")),
+        Ok(pb::ToolChoice::Required) => Some(serde_json::json!("required")),
         Err(_) => return Err(Error::invalid(format!("tool_choice {} is not a ToolChoice", request.tool_choice))),
     };
-    let choice = ToolChoice::parse(choice.as_ref(), tools.is_some()).map_err(Error::invalid)?;
+    let choice = ToolChoice::parse(choice.as_ref(), tools.as_ref()).map_err(Error::invalid)?;
     let messages = std::mem::take(&mut request.messages).into_iter().enumerate().map(|(i, m)| chat_message(i, m)).collect::<Result<_, _>>()?;
     Ok((messages, TemplateInputs { tools, kwargs }, choice))
 }
@@ -300,7 +307,7 @@ impl Generator for GeneratorService {
         let prompt_ids = self.api.prompt_ids(&model, request.prompt, request.prompt_ids).await;
         let params = request.params.unwrap_or_default();
         let streams = self.api.start_choices(&model, prompt_ids, params, request.n, deadline, span).await?;
-        Ok(Response::new(choices::merge(streams, ToolChoice::None)))
+        Ok(Response::new(choices::merge(streams, &ToolChoice::None)))
     }
 
     async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<ResponseStream>, Status> {
@@ -310,10 +317,10 @@ impl Generator for GeneratorService {
         let mut request = request.into_inner();
         let model = self.api.model(&coordinator, &request.model).await?;
         let (messages, inputs, tool_choice) = chat_inputs(&mut request)?;
-        let prompt_ids = self.api.validator.encode_chat(&model, messages, inputs).await;
+        let prompt_ids = self.api.validator.encode_chat(&model, messages, inputs, tool_choice.forced_prefix()).await;
         let params = request.params.unwrap_or_default();
         let streams = self.api.start_choices(&model, prompt_ids, params, request.n, deadline, span).await?;
-        Ok(Response::new(choices::merge(streams, tool_choice)))
+        Ok(Response::new(choices::merge(streams, &tool_choice)))
     }
 
     async fn tokenize(&self, request: Request<pb::TokenizeRequest>) -> Result<Response<pb::TokenizeResponse>, Status> {

@@ -83,8 +83,16 @@ impl Validator {
     }
 
     /// The token ids of a chat, rendered through the model's template with the request's tools
-    /// and template variables, which count toward the size limit with the messages.
-    pub async fn encode_chat(&self, model: &Arc<ModelHandle>, messages: Vec<ChatMessage>, inputs: TemplateInputs) -> Result<Vec<u32>, Error> {
+    /// and template variables, which count toward the size limit with the messages. A
+    /// `forced_call` (the opening of a tool call, for tool_choice required or a named function)
+    /// follows the template's generation prompt, so the model's turn starts with it.
+    pub async fn encode_chat(
+        &self,
+        model: &Arc<ModelHandle>,
+        messages: Vec<ChatMessage>,
+        inputs: TemplateInputs,
+        forced_call: Option<String>,
+    ) -> Result<Vec<u32>, Error> {
         if messages.is_empty() {
             return Err(Error::invalid("messages is empty: give at least one message"));
         }
@@ -96,15 +104,29 @@ impl Validator {
             )));
         }
         self.check_text("the chat's messages, tools and template variables together", chat_bytes(&messages, &inputs))?;
-        if model.chat_template.is_none() {
+        let Some(template) = &model.chat_template else {
             return Err(Error::new(Kind::Unsupported, format!("model \"{}\" has no chat template; use Generate", model.id)));
+        };
+        if forced_call.is_some() && !template.writes_hermes_calls() {
+            // Forcing a format the model was not taught would only produce a broken call.
+            return Err(Error::new(
+                Kind::Unsupported,
+                format!(
+                    "tool_choice \"required\" or a named function forces a Hermes-style <tool_call> JSON call, and the chat \
+                     template of model \"{}\" does not teach that format; use tool_choice \"auto\"",
+                    model.id
+                ),
+            ));
         }
         let model = model.clone();
         self.off_runtime(move || {
             let template = model.chat_template.as_ref().ok_or_else(|| Error::internal("chat template missing"))?;
-            let prompt = template
+            let mut prompt = template
                 .render_with(&messages, true, &inputs)
                 .map_err(|err| Error::invalid(format!("cannot render the chat template: {err:#}")))?;
+            if let Some(forced) = forced_call {
+                prompt.push_str(&forced);
+            }
             // The template already wrote any special tokens the model expects.
             encode(&model, &prompt, false)
         })

@@ -3,6 +3,8 @@
 //! and the Python environment of the third-party client tests.
 #![allow(dead_code)]
 
+pub mod qwen3_vocab;
+
 use std::path::PathBuf;
 
 use serde_json::Value;

@@ -22,14 +22,15 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::StreamExt;
+use futures::stream::BoxStream;
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 use tonic::service::Interceptor;
 
 use super::error::{Error, Kind};
 use super::service::{Api, RpcLimits};
-use super::stream::ClientStream;
-use super::tools::{self, ToolChoice};
+use super::stream::{ClientStream, Item};
+use super::tools;
 use super::validation::RequestLimits;
 use super::{Coordinator, ModelHandle};
 use crate::auth::{RequireToken, Secret};
@@ -265,11 +266,15 @@ async fn complete(state: &HttpState, headers: &HeaderMap, body: Result<Bytes, By
     };
     let span = tracing::info_span!("request", otel.name = name, model = tracing::field::Empty);
     let streams = start(state, &model, &request, span).await?;
+    // The one reading of tool calls both APIs share: call markup withheld, each call on the
+    // message that closed it.
+    let streams: Vec<(usize, BoxStream<'static, Item>)> =
+        streams.into_iter().map(|(index, stream)| (index, tools::stream::read(stream, &request.tool_choice))).collect();
     let header = Header::new(endpoint, &model.id);
     let n = request.n as usize;
-    let reading = Reading { endpoint, logprobs: request.logprobs(), tool_choice: request.tool_choice };
+    let reading = Reading { endpoint, logprobs: request.logprobs() };
     if request.stream {
-        let events = sse::Events::new(header, model, reading, request.include_usage, n, streams);
+        let events = sse::Events::new(header, model, reading.logprobs, request.include_usage, n, streams);
         let mut response = Body::from_stream(events.into_stream()).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -294,7 +299,10 @@ async fn complete(state: &HttpState, headers: &HeaderMap, body: Result<Bytes, By
 async fn start(state: &HttpState, model: &Arc<ModelHandle>, request: &Parsed, span: tracing::Span) -> Result<Vec<(usize, ClientStream)>, HttpError> {
     let api = &state.api;
     let prompts: Vec<Result<Vec<u32>, Error>> = match &request.prompts {
-        Prompts::Chat { messages, inputs } => vec![api.validator.encode_chat(model, messages.clone(), inputs.clone()).await],
+        Prompts::Chat { messages, inputs } => {
+            let forced = request.tool_choice.forced_prefix();
+            vec![api.validator.encode_chat(model, messages.clone(), inputs.clone(), forced).await]
+        }
         Prompts::Completion(inputs) => {
             let mut prompts = Vec::with_capacity(inputs.len());
             for input in inputs {
@@ -315,33 +323,30 @@ async fn start(state: &HttpState, model: &Arc<ModelHandle>, request: &Parsed, sp
     Ok(streams)
 }
 
-/// How a choice's output is read: with the endpoint's shape, logprobs or not, tool calls or not.
+/// How a choice's output is read: with the endpoint's shape, logprobs or not.
 #[derive(Clone, Copy)]
 struct Reading {
     endpoint: Endpoint,
     logprobs: bool,
-    tool_choice: ToolChoice,
 }
 
 /// Reads one choice's stream to its end: the choice of a whole response, and its usage.
-async fn collect(reading: Reading, model: &ModelHandle, index: usize, mut stream: ClientStream) -> Result<(Value, pb::Usage), HttpError> {
+async fn collect(reading: Reading, model: &ModelHandle, index: usize, mut stream: BoxStream<'static, Item>) -> Result<(Value, pb::Usage), HttpError> {
     let mut text = String::new();
+    let mut calls = Vec::new();
     let mut tokens = Vec::new();
     while let Some(item) = stream.next().await {
-        let message = item.map_err(|status| Error::from_status(&status))?;
+        let mut message = item.map_err(|status| Error::from_status(&status))?;
         text.push_str(&message.text);
+        calls.append(&mut message.tool_calls);
         if message.finish_reason != pb::FinishReason::Unspecified as i32 {
             let logprobs = if reading.logprobs {
                 response::logprobs(reading.endpoint, model, &tokens.iter().collect::<Vec<_>>(), 0)
             } else {
                 Value::Null
             };
-            let output = match reading.tool_choice {
-                ToolChoice::Auto => tools::parse(&text),
-                ToolChoice::None => tools::Output { content: text, calls: Vec::new() },
-            };
-            let reason = response::finish_reason(message.finish_reason, !output.calls.is_empty());
-            let choice = response::choice(reading.endpoint, index, output, logprobs, reason);
+            let reason = response::finish_reason(message.finish_reason);
+            let choice = response::choice(reading.endpoint, index, text, &calls, logprobs, reason);
             return Ok((choice, message.usage.unwrap_or_default()));
         }
         if reading.logprobs {

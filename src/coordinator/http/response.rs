@@ -5,7 +5,6 @@ use serde_json::{Value, json};
 
 use super::types::Endpoint;
 use crate::coordinator::ModelHandle;
-use crate::coordinator::tools;
 use crate::proto::v1 as pb;
 
 /// What a response says about its request, whatever its choices.
@@ -73,22 +72,24 @@ pub fn usage(prompt_tokens: u64, completion_tokens: u64) -> Value {
     })
 }
 
-/// OpenAI's finish reason: an output that ended with tool calls is "tool_calls" (as in vLLM,
-/// whatever ended it), else "length" or "stop".
-pub fn finish_reason(reason: i32, tool_calls: bool) -> &'static str {
+/// OpenAI's finish reason: an output with tool calls is "tool_calls" (as in vLLM, whatever
+/// ended it: the stream reading them says so), else "length" or "stop".
+pub fn finish_reason(reason: i32) -> &'static str {
     match pb::FinishReason::try_from(reason) {
-        _ if tool_calls => "tool_calls",
+        Ok(pb::FinishReason::ToolCalls) => "tool_calls",
         Ok(pb::FinishReason::Length | pb::FinishReason::ContextLength) => "length",
         _ => "stop",
     }
 }
 
-/// Calls in OpenAI's shape; in a stream's delta each also carries its `index`.
-pub fn tool_calls(calls: &[tools::Call], delta: bool) -> Value {
-    let call = |(index, call): (usize, &tools::Call)| {
-        let mut value = json!({"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}});
-        if delta {
-            value["index"] = json!(index);
+/// Calls in OpenAI's shape; in a stream's delta each also carries its `index` in the choice's
+/// calls, counted from `first_index`.
+pub fn tool_calls(calls: &[pb::ToolCall], first_index: Option<usize>) -> Value {
+    let call = |(i, call): (usize, &pb::ToolCall)| {
+        let (name, arguments) = call.function.as_ref().map_or(("", ""), |f| (f.name.as_str(), f.arguments.as_str()));
+        let mut value = json!({"id": call.id, "type": "function", "function": {"name": name, "arguments": arguments}});
+        if let Some(first) = first_index {
+            value["index"] = json!(first + i);
         }
         value
     };
@@ -138,23 +139,23 @@ pub fn logprobs(endpoint: Endpoint, model: &ModelHandle, messages: &[&pb::Genera
 }
 
 /// One finished choice of a whole response. A chat message with tool calls has null content
-/// when the model wrote nothing before them.
-pub fn choice(endpoint: Endpoint, index: usize, output: tools::Output, logprobs: Value, finish_reason: &str) -> Value {
+/// when the model wrote nothing else.
+pub fn choice(endpoint: Endpoint, index: usize, content: String, calls: &[pb::ToolCall], logprobs: Value, finish_reason: &str) -> Value {
     match endpoint {
         Endpoint::Chat => {
-            let no_content = output.content.is_empty();
-            let mut message = json!({"role": "assistant", "content": output.content});
-            if !output.calls.is_empty() {
+            let no_content = content.is_empty();
+            let mut message = json!({"role": "assistant", "content": content});
+            if !calls.is_empty() {
                 if no_content {
                     message["content"] = Value::Null;
                 }
-                message["tool_calls"] = tool_calls(&output.calls, false);
+                message["tool_calls"] = tool_calls(calls, None);
             }
             json!({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         }
         Endpoint::Completion => json!({
             "index": index,
-            "text": output.content,
+            "text": content,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }),
@@ -178,26 +179,34 @@ pub fn chunk_choice(endpoint: Endpoint, index: usize, delta: Value, logprobs: Va
 mod tests {
     use super::*;
 
-    /// A Qwen-style call comes back as OpenAI's tool_calls: whole (content null, arguments as
-    /// JSON text, finish reason tool_calls) and as a stream delta (each call with its index).
+    fn call(id: &str, name: &str, arguments: &str) -> pb::ToolCall {
+        pb::ToolCall {
+            id: id.into(),
+            r#type: "function".into(),
+            function: Some(pb::FunctionCall { name: name.into(), arguments: arguments.into() }),
+        }
+    }
+
+    /// Calls come back in OpenAI's shape: whole (content null, arguments as JSON text, finish
+    /// reason tool_calls) and as stream deltas (each call with its index in the choice).
     #[test]
     fn tool_calls_have_the_openai_shape() {
-        let output = tools::parse("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>");
-        let reason = finish_reason(pb::FinishReason::Eos as i32, !output.calls.is_empty());
-        let delta = tool_calls(&output.calls, true);
-        let whole = choice(Endpoint::Chat, 1, output, Value::Null, reason);
+        let calls = [call("chatcmpl-tool-1", "get_weather", "{\"city\": \"Paris\"}")];
+        let reason = finish_reason(pb::FinishReason::ToolCalls as i32);
+        let whole = choice(Endpoint::Chat, 1, String::new(), &calls, Value::Null, reason);
         assert_eq!(whole["finish_reason"], "tool_calls");
         assert_eq!(whole["message"]["content"], Value::Null);
-        let call = &whole["message"]["tool_calls"][0];
-        assert_eq!(call["type"], "function");
-        assert_eq!(call["function"], json!({"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}));
-        assert!(call["id"].as_str().unwrap().starts_with("chatcmpl-tool-"));
-        assert!(call.get("index").is_none());
-        assert_eq!(delta[0]["index"], 0);
-        assert_eq!(delta[0]["id"], call["id"]);
+        let whole_call = &whole["message"]["tool_calls"][0];
+        assert_eq!(whole_call["type"], "function");
+        assert_eq!(whole_call["id"], "chatcmpl-tool-1");
+        assert_eq!(whole_call["function"], json!({"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}));
+        assert!(whole_call.get("index").is_none());
+        let delta = tool_calls(&[call("a", "f", "{}"), call("b", "g", "{}")], Some(2));
+        assert_eq!((delta[0]["index"].clone(), delta[1]["index"].clone(), delta[1]["id"].clone()), (json!(2), json!(3), json!("b")));
         // Without calls: the model's text, and the engine's reason.
-        let plain = choice(Endpoint::Chat, 0, tools::parse("hello"), Value::Null, finish_reason(pb::FinishReason::Length as i32, false));
+        let plain = choice(Endpoint::Chat, 0, "hello".into(), &[], Value::Null, finish_reason(pb::FinishReason::Length as i32));
         assert_eq!(plain["message"], json!({"role": "assistant", "content": "hello"}));
         assert_eq!(plain["finish_reason"], "length");
+        assert_eq!(finish_reason(pb::FinishReason::Eos as i32), "stop");
     }
 }

@@ -1,7 +1,8 @@
-//! Server-sent events as OpenAI frames them: one `data: {chunk}` event per token message, the
-//! finish reason in a chunk of its own, usage in a last chunk with no choices when the client
-//! asked for it (`stream_options.include_usage`), then `data: [DONE]`. An error that ends a
-//! stream is sent as `data: {"error": {...}}` before `[DONE]`.
+//! Server-sent events as OpenAI frames them: one `data: {chunk}` event per token message (whose
+//! text is withheld inside a tool call), each tool call whole in a delta of its own when its
+//! block closes, the finish reason in a chunk of its own, usage in a last chunk with no choices
+//! when the client asked for it (`stream_options.include_usage`), then `data: [DONE]`. An error
+//! that ends a stream is sent as `data: {"error": {...}}` before `[DONE]`.
 //!
 //! The event stream owns the choices' response streams: when the client goes away, the HTTP
 //! server drops it, and with it the streams, which cancels their sequences and frees their KV.
@@ -13,21 +14,19 @@ use bytes::Bytes;
 use futures::stream::{BoxStream, SelectAll, StreamExt};
 use serde_json::{Value, json};
 
-use super::Reading;
 use super::response::{self, Header};
 use super::types::Endpoint;
 use crate::coordinator::ModelHandle;
 use crate::coordinator::error::Error;
-use crate::coordinator::stream::{ClientStream, Item};
-use crate::coordinator::tools::{StreamParser, ToolChoice};
+use crate::coordinator::stream::Item;
 use crate::proto::v1 as pb;
 
 pub struct Events {
     header: Header,
     model: Arc<ModelHandle>,
     logprobs: bool,
-    /// per choice, with tool choice auto: holds back call markup until the choice ends
-    parsers: Vec<Option<StreamParser>>,
+    /// per choice, the calls sent so far: the next one's index in the choice's `tool_calls`
+    calls_sent: Vec<usize>,
     include_usage: bool,
     /// choices per prompt: usage counts each prompt once
     n: usize,
@@ -45,13 +44,21 @@ fn frame(value: &Value) -> Bytes {
 }
 
 impl Events {
-    pub fn new(header: Header, model: Arc<ModelHandle>, reading: Reading, include_usage: bool, n: usize, streams: Vec<(usize, ClientStream)>) -> Self {
-        let parser = || (reading.tool_choice == ToolChoice::Auto).then(StreamParser::default);
+    /// `streams` are the choices' streams, already read for tool calls when the request asked
+    /// for that (`tools::stream`).
+    pub fn new(
+        header: Header,
+        model: Arc<ModelHandle>,
+        logprobs: bool,
+        include_usage: bool,
+        n: usize,
+        streams: Vec<(usize, BoxStream<'static, Item>)>,
+    ) -> Self {
         let mut events = Self {
             header,
             model,
-            logprobs: reading.logprobs,
-            parsers: (0..streams.len()).map(|_| parser()).collect(),
+            logprobs,
+            calls_sent: vec![0; streams.len()],
             include_usage,
             n,
             choices: SelectAll::new(),
@@ -82,19 +89,21 @@ impl Events {
         let endpoint = self.header.endpoint;
         let finished = message.finish_reason != pb::FinishReason::Unspecified as i32;
         let has_token = message.token_id.is_some();
-        let text = match &mut self.parsers[index] {
-            Some(parser) => parser.push(&message.text),
-            None => message.text.clone(),
-        };
-        if !text.is_empty() || (self.logprobs && has_token) {
+        if !message.text.is_empty() || (self.logprobs && has_token) {
             let logprobs = if self.logprobs && has_token {
                 response::logprobs(endpoint, &self.model, &[&message], self.offsets[index])
             } else {
                 Value::Null
             };
             self.offsets[index] += message.text.len();
-            let delta = json!({"content": text});
+            let delta = json!({"content": message.text});
             self.push(vec![response::chunk_choice(endpoint, index, delta, logprobs, None)]);
+        }
+        if !message.tool_calls.is_empty() {
+            // Each call whole, in one delta, as soon as its block closed.
+            let delta = json!({"tool_calls": response::tool_calls(&message.tool_calls, Some(self.calls_sent[index]))});
+            self.calls_sent[index] += message.tool_calls.len();
+            self.push(vec![response::chunk_choice(endpoint, index, delta, Value::Null, None)]);
         }
         if finished {
             if let Some(usage) = message.usage {
@@ -103,27 +112,9 @@ impl Events {
                 }
                 self.completion_tokens += u64::from(usage.completion_tokens);
             }
-            let calls = self.finish_calls(index);
-            let reason = response::finish_reason(message.finish_reason, calls);
+            let reason = response::finish_reason(message.finish_reason);
             self.push(vec![response::chunk_choice(endpoint, index, json!({}), Value::Null, Some(reason))]);
         }
-    }
-
-    /// The end of a choice with tool parsing: text held back is sent as content, or the calls in
-    /// one delta. Returns whether there were calls.
-    fn finish_calls(&mut self, index: usize) -> bool {
-        let Some(parser) = self.parsers[index].take() else { return false };
-        let output = parser.finish();
-        if !output.content.is_empty() {
-            let delta = json!({"content": output.content});
-            self.push(vec![response::chunk_choice(self.header.endpoint, index, delta, Value::Null, None)]);
-        }
-        if output.calls.is_empty() {
-            return false;
-        }
-        let delta = json!({"tool_calls": response::tool_calls(&output.calls, true)});
-        self.push(vec![response::chunk_choice(self.header.endpoint, index, delta, Value::Null, None)]);
-        true
     }
 
     fn end(&mut self, error: Option<Error>) {

@@ -42,7 +42,7 @@ pub struct Parsed {
     pub n: u32,
     pub stream: bool,
     pub include_usage: bool,
-    /// chat: whether the output is searched for tool calls
+    /// chat: whether the output is read for tool calls, and whether a call is forced
     pub tool_choice: ToolChoice,
 }
 
@@ -148,7 +148,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, HttpError> {
             params.logprobs = logprobs;
             params.top_logprobs = top_logprobs.unwrap_or(0);
             let inputs = template_inputs(&mut fields, body)?;
-            tool_choice = ToolChoice::parse(fields.take_raw("tool_choice").as_ref(), inputs.tools.is_some())
+            tool_choice = ToolChoice::parse(fields.take_raw("tool_choice").as_ref(), inputs.tools.as_ref())
                 .map_err(|message| invalid("tool_choice", message))?;
             // vLLM's parallel_tool_calls: every call the model makes is returned either way.
             let _parallel: Option<bool> = fields.take("parallel_tool_calls")?;
