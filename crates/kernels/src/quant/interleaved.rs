@@ -197,6 +197,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
         return Vec::new();
     }
     let acts: Vec<ActQ8> = x.chunks_exact(k).map(quantize_act).collect();
+    let acts: Vec<&ActQ8> = acts.iter().collect();
     let groups = n / GROUP;
     let grouped_rows = groups * GROUP;
     // out_t[row][i]: weight rows are the parallel dimension.
@@ -209,9 +210,8 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
             let mut done = 0;
             while done < m {
                 let take = (m - done).min(4);
-                let rows: Vec<&ActQ8> = acts[done..done + take].iter().collect();
                 let mut sums = [[0f32; GROUP]; 4];
-                group_dot(path, dtype, group, &rows, &mut sums[..take]);
+                group_dot(path, dtype, group, &acts[done..done + take], &mut sums[..take]);
                 for (j, lanes) in sums[..take].iter().enumerate() {
                     for (r, v) in lanes.iter().enumerate() {
                         out[r * m + done + j] = *v;
