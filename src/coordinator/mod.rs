@@ -333,11 +333,20 @@ impl Supervisor {
     pub async fn watch_ranks(self: Arc<Self>) {
         loop {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            let epoch = self.epoch();
             if !self.is_serving() {
-                self.recover(epoch, "the previous recovery gave up").await;
+                // Not serving may mean a recovery is under way, which bumps the epoch before it
+                // reloads the models and marks the group serving. Read the epoch only once no
+                // recovery runs: if the group is still not serving then, the last one gave up.
+                let given_up = {
+                    let _quiet = self.recovering.lock().await;
+                    (!self.is_serving()).then(|| self.epoch())
+                };
+                if let Some(epoch) = given_up {
+                    self.recover(epoch, "the previous recovery gave up").await;
+                }
                 continue;
             }
+            let epoch = self.epoch();
             let failure = match tokio::time::timeout(Duration::from_secs(3), self.ranks.info()).await {
                 Ok(Ok(infos)) => infos
                     .iter()
