@@ -348,8 +348,8 @@ fn chunked_delta_rule(
     let system = (k_beta.matmul(&k_t)? * &gates.decay)?;
     let rhs = Tensor::cat(&[&v_beta, &k_beta.broadcast_mul(&gates.cum_decay)?], 2)?;
     let solved = solve_unit_lower(&system, &rhs, placement)?; // [blocks * heads, len, dv + dk]
-    // Contiguous: cuBLAS takes a matrix whose rows are further apart than its width only
-    // transposed, and these are column slices.
+    // Contiguous: candle's cuBLAS matmul refuses a matrix whose rows lie further apart than its
+    // width, as a column slice's do.
     let new_values = solved.narrow(2, 0, dv)?.contiguous()?;
     let decayed_keys = solved.narrow(2, dv, dk)?.contiguous()?;
     let intra = (q.matmul(&k_t)? * &gates.decay)?; // causal, decayed q.k within each block
@@ -515,8 +515,12 @@ fn solve_unit_lower_on_host(system: &Tensor, rhs: &Tensor) -> Result<Tensor> {
 fn unit_lower_inverse(system: &Tensor) -> Result<Tensor> {
     let len = system.dim(1)?;
     let padding = len.next_power_of_two() - len;
+    if padding == 0 {
+        return inverse_by_halves(system);
+    }
     let padded = system.pad_with_zeros(1, 0, padding)?.pad_with_zeros(2, 0, padding)?;
-    Ok(inverse_by_halves(&padded)?.narrow(1, 0, len)?.narrow(2, 0, len)?)
+    // Contiguous: the corner's rows are further apart than its width (see chunked_delta_rule).
+    Ok(inverse_by_halves(&padded)?.narrow(1, 0, len)?.narrow(2, 0, len)?.contiguous()?)
 }
 
 /// The inverse of a unit lower-triangular [[A, 0], [C, D]] is [[A', 0], [-D' C A', D']], where
