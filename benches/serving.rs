@@ -166,7 +166,7 @@ fn in_process_decode(model: &std::path::Path, format: &str) -> f64 {
     let mut best: f64 = 0.0;
     for run in 0..3 {
         let timed = offline::greedy_timed(&model, run + 1, &prompt, NEW_TOKENS as usize, 0, &[]).unwrap();
-        best = best.max(timed.decode_steps as f64 / timed.decode_time.as_secs_f64());
+        best = best.max(timed.timing.decode_steps as f64 / timed.timing.decode_time.as_secs_f64());
     }
     best
 }

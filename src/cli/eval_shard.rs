@@ -86,6 +86,9 @@ pub struct EvalShardArgs {
 #[derive(Serialize)]
 struct Report {
     prompts: Vec<PromptResult>,
+    /// prefill speed over all prompts (each prompt's steps until its first logits)
+    prefill_tokens: usize,
+    prefill_seconds: f64,
     /// greedy decode speed over all prompts (single-token steps only)
     decode_tokens: usize,
     decode_seconds: f64,
@@ -130,12 +133,14 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
     tracing::info!(formats = %progress.format_summary(), weight_bytes = model.weight_bytes(), "shard loaded");
     let load_seconds = started.elapsed().as_secs_f64();
     let mut results = Vec::new();
-    let mut decode_seconds = 0.0;
-    let mut decode_tokens = 0;
+    let (mut prefill_seconds, mut prefill_tokens) = (0.0, 0);
+    let (mut decode_seconds, mut decode_tokens) = (0.0, 0);
     for (i, prompt) in prompts.iter().enumerate() {
         let timed = offline::greedy_timed(&model, i as u64 + 1, prompt, args.max_new, args.chunk, &args.suppress)?;
-        decode_seconds += timed.decode_time.as_secs_f64();
-        decode_tokens += timed.decode_steps;
+        prefill_seconds += timed.timing.prefill_time.as_secs_f64();
+        prefill_tokens += timed.timing.prefill_tokens;
+        decode_seconds += timed.timing.decode_time.as_secs_f64();
+        decode_tokens += timed.timing.decode_steps;
         results.extend(timed.result);
     }
     let mut bench = Vec::with_capacity(args.bench_batches.len());
@@ -153,7 +158,16 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
     }
     comm.barrier()?;
     if args.rank == 0 {
-        let report = Report { prompts: results, decode_tokens, decode_seconds, load_seconds, device: device_name, bench };
+        let report = Report {
+            prompts: results,
+            prefill_tokens,
+            prefill_seconds,
+            decode_tokens,
+            decode_seconds,
+            load_seconds,
+            device: device_name,
+            bench,
+        };
         let text = serde_json::to_string(&report)?;
         match &args.out {
             Some(path) => std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?,

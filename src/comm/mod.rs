@@ -55,6 +55,16 @@ pub trait Collective: Send + Sync {
     fn all_gather(&self, tensor: &Tensor, dim: usize) -> CommResult<Tensor>;
     /// Concatenation along `dim` delivered only to `root` (`Some` there, `None` elsewhere).
     fn gather(&self, tensor: &Tensor, dim: usize, root: usize) -> CommResult<Option<Tensor>>;
+    /// [`Collective::gather`] when every rank knows every rank's size along `dim` (`sizes[r]`
+    /// is rank r's; the other dims are the same everywhere), so the backend need not exchange
+    /// shapes first. The caller guarantees the sizes, as it guarantees shapes to
+    /// `all_reduce_sum`. NCCL skips its shape exchange, a host round trip per call; this default,
+    /// for backends whose messages carry their shapes anyway, checks the sizes against the
+    /// group and this rank's tensor and gathers.
+    fn gather_sized(&self, tensor: &Tensor, dim: usize, root: usize, sizes: &[usize]) -> CommResult<Option<Tensor>> {
+        known_shapes("gather", tensor.dims(), dim, sizes, self.rank(), self.world_size())?;
+        self.gather(tensor, dim, root)
+    }
     /// `root`'s tensor on every rank. Non-root ranks pass a tensor of the same shape and dtype.
     fn broadcast(&self, tensor: &Tensor, root: usize) -> CommResult<Tensor>;
     /// Returns once every rank has entered the barrier.
@@ -80,6 +90,39 @@ pub fn check_sum_of_ones(comm: &dyn Collective, device: &candle_core::Device) ->
         });
     }
     Ok(())
+}
+
+/// Every rank's shape for a gather along `dim` of known sizes: this rank's `dims` with
+/// `sizes[r]` at `dim`. Fails when `sizes` does not name one size per rank, or names another
+/// size for this rank than its tensor has.
+pub(crate) fn known_shapes(
+    op: &'static str,
+    dims: &[usize],
+    dim: usize,
+    sizes: &[usize],
+    rank: usize,
+    world_size: usize,
+) -> CommResult<Vec<Vec<usize>>> {
+    let invalid = |reason: String| CommError::Invalid { op, reason };
+    let Some(&own) = dims.get(dim) else {
+        return Err(invalid(format!("dim {dim} out of range for shape {dims:?}")));
+    };
+    if sizes.len() != world_size {
+        return Err(invalid(format!("{} sizes for a group of {world_size}", sizes.len())));
+    }
+    match sizes.get(rank) {
+        Some(&size) if size == own => {}
+        Some(&size) => return Err(invalid(format!("rank {rank}'s size along dim {dim} is {own}, not {size}"))),
+        None => return Err(invalid(format!("rank {rank} is not in a group of {world_size}"))),
+    }
+    Ok(sizes
+        .iter()
+        .map(|&size| {
+            let mut shape = dims.to_vec();
+            shape[dim] = size;
+            shape
+        })
+        .collect())
 }
 
 /// Set to `1` (or `true`, `on`), a TP 1 rank joins a real communicator of one rank (NCCL on a
@@ -152,6 +195,22 @@ mod tests {
             Ok(())
         }
         fn abort(&self) {}
+    }
+
+    #[test]
+    fn known_shapes_put_each_size_at_the_gathered_dim() {
+        let shapes = known_shapes("gather", &[3, 150], 1, &[150, 150, 148], 1, 3).unwrap();
+        assert_eq!(shapes, [vec![3, 150], vec![3, 150], vec![3, 148]]);
+        let wrong_count = known_shapes("gather", &[3, 150], 1, &[150, 150], 1, 3).unwrap_err().to_string();
+        assert!(wrong_count.contains("2 sizes for a group of 3"), "{wrong_count}");
+        let wrong_own = known_shapes("gather", &[3, 149], 1, &[150, 150, 148], 1, 3).unwrap_err().to_string();
+        assert!(wrong_own.contains("rank 1's size along dim 1 is 149"), "{wrong_own}");
+        let wrong_dim = known_shapes("gather", &[3, 150], 2, &[150, 150, 148], 1, 3).unwrap_err().to_string();
+        assert!(wrong_dim.contains("dim 2 out of range"), "{wrong_dim}");
+        // The default gather_sized checks the sizes before it gathers.
+        let t = Tensor::zeros((2, 5), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        assert!(SingleRank.gather_sized(&t, 1, 0, &[5]).unwrap().is_some());
+        assert!(SingleRank.gather_sized(&t, 1, 0, &[4]).is_err());
     }
 
     #[test]

@@ -27,8 +27,9 @@
 //! - **Checked shapes where ranks may differ.** `all_gather` and `gather` allow the gathered
 //!   dimension to differ per rank (uneven vocabulary slices), so they first all-gather a small
 //!   shape descriptor, check it as the socket backend checks its headers, and wait for it on the
-//!   host. `all_reduce_sum` and `broadcast` trust the caller (the model runs the same batch on
-//!   every rank): NCCL itself cannot detect a mismatch.
+//!   host. `gather_sized`, the lm_head's gather every step, is told every rank's size and skips
+//!   that exchange. It, `all_reduce_sum` and `broadcast` trust the caller (the model runs the
+//!   same batch on every rank): NCCL itself cannot detect a mismatch.
 //! - **Host tensors** are copied to the device, reduced there and copied back (the offline
 //!   driver broadcasts its sampled token that way).
 //!
@@ -1150,6 +1151,48 @@ fn storage_dtype(storage: &CudaStorage) -> DType {
 }
 
 impl NcclCollective {
+    fn check_root(&self, op: &'static str, root: usize) -> CommResult<()> {
+        if root >= self.world_size {
+            return Err(self.fail(CommError::Invalid {
+                op,
+                reason: format!("root {root} is not a rank of a group of {}", self.world_size),
+            }));
+        }
+        Ok(())
+    }
+
+    /// Gather of `input` (on this communicator's device) given every rank's shape: non-roots
+    /// send, the root receives and concatenates along `dim`.
+    fn gather_shaped(
+        &self,
+        input: &Tensor,
+        to_host: bool,
+        shapes: &[Vec<usize>],
+        dim: usize,
+        root: usize,
+    ) -> CommResult<Option<Tensor>> {
+        if self.rank != root {
+            self.send_to_root(input, root)?;
+            if to_host {
+                // The send reads `input`, which the host-side caller cannot keep alive.
+                self.wait_stream("gather")?;
+            }
+            return Ok(None);
+        }
+        let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+        let offsets: Vec<usize> = lens
+            .iter()
+            .scan(0, |next, &len| {
+                *next += len;
+                Some(*next - len)
+            })
+            .collect();
+        let op = NcclOp::new(self, GatherRoot { offsets: offsets.clone(), lens });
+        let flat = self.apply(input, &op)?;
+        let out = assemble(&flat, shapes, &offsets, dim)?;
+        Ok(Some(self.back("gather", out, to_host)?))
+    }
+
     /// A non-root rank's part of gather: its elements to the root, point to point.
     fn send_to_root(&self, tensor: &Tensor, root: usize) -> CommResult<()> {
         let (storage, layout) = tensor.storage_and_layout();
@@ -1228,42 +1271,26 @@ impl Collective for NcclCollective {
 
     fn gather(&self, tensor: &Tensor, dim: usize, root: usize) -> CommResult<Option<Tensor>> {
         self.usable("gather")?;
-        if root >= self.world_size {
-            return Err(self.fail(CommError::Invalid {
-                op: "gather",
-                reason: format!("root {root} is not a rank of a group of {}", self.world_size),
-            }));
-        }
+        self.check_root("gather", root)?;
         let (input, to_host) = self.on_device("gather", tensor)?;
         let shapes = self.exchange_shapes("gather", &input, dim)?;
-        if self.rank != root {
-            self.send_to_root(&input, root)?;
-            if to_host {
-                // The send reads `input`, which the host-side caller cannot keep alive.
-                self.wait_stream("gather")?;
-            }
-            return Ok(None);
-        }
-        let lens: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
-        let offsets: Vec<usize> = lens.iter().scan(0, |next, &len| {
-            let offset = *next;
-            *next += len;
-            Some(offset)
-        }).collect();
-        let op = NcclOp::new(self, GatherRoot { offsets: offsets.clone(), lens });
-        let flat = self.apply(&input, &op)?;
-        let out = assemble(&flat, &shapes, &offsets, dim)?;
-        Ok(Some(self.back("gather", out, to_host)?))
+        self.gather_shaped(&input, to_host, &shapes, dim, root)
+    }
+
+    /// No shape exchange: the shapes follow from the sizes every rank was given, so nothing
+    /// waits on the host (the lm_head's logits, every step).
+    fn gather_sized(&self, tensor: &Tensor, dim: usize, root: usize, sizes: &[usize]) -> CommResult<Option<Tensor>> {
+        self.usable("gather")?;
+        self.check_root("gather", root)?;
+        let shapes = super::known_shapes("gather", tensor.dims(), dim, sizes, self.rank, self.world_size)
+            .map_err(|err| self.fail(err))?;
+        let (input, to_host) = self.on_device("gather", tensor)?;
+        self.gather_shaped(&input, to_host, &shapes, dim, root)
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> CommResult<Tensor> {
         self.usable("broadcast")?;
-        if root >= self.world_size {
-            return Err(self.fail(CommError::Invalid {
-                op: "broadcast",
-                reason: format!("root {root} is not a rank of a group of {}", self.world_size),
-            }));
-        }
+        self.check_root("broadcast", root)?;
         if tensor.elem_count() == 0 {
             return Ok(tensor.clone());
         }

@@ -44,6 +44,9 @@ impl Collective for TimedCollective {
     fn gather(&self, tensor: &Tensor, dim: usize, root: usize) -> CommResult<Option<Tensor>> {
         self.timed(|c| c.gather(tensor, dim, root))
     }
+    fn gather_sized(&self, tensor: &Tensor, dim: usize, root: usize, sizes: &[usize]) -> CommResult<Option<Tensor>> {
+        self.timed(|c| c.gather_sized(tensor, dim, root, sizes))
+    }
     fn broadcast(&self, tensor: &Tensor, root: usize) -> CommResult<Tensor> {
         self.timed(|c| c.broadcast(tensor, root))
     }

@@ -17,6 +17,7 @@ pub mod loader;
 pub mod moe;
 pub mod paged;
 pub mod parallel;
+pub mod placement;
 pub mod quant;
 pub mod qwen3;
 pub mod qwen3_5;

@@ -14,6 +14,7 @@ use serde_json::Value;
 use super::config::Fields;
 use super::loader::ShardLoader;
 use super::parallel::TpGroup;
+use super::placement::Placement;
 
 /// Hyper-parameters of a sparse MoE block.
 #[derive(Debug, Clone)]
@@ -177,19 +178,19 @@ impl SparseMoe {
 
     /// x [tokens, hidden] -> [tokens, hidden], summed over ranks.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let device = x.device();
         let mut out = x.zeros_like()?;
+        let routes = self.route(x)?;
+        let weights = routes.weights.to_dtype(x.dtype())?;
         // Experts in index order, each adding into the output, as transformers accumulates them.
-        for (expert, routed) in self.experts.iter().zip(self.route(x)?) {
-            if routed.is_empty() {
+        let mut offset = 0;
+        for (expert, &count) in self.experts.iter().zip(&routes.counts) {
+            if count == 0 {
                 continue;
             }
-            let (tokens, weights): (Vec<u32>, Vec<f32>) = routed.into_iter().unzip();
-            let n = tokens.len();
-            let index = Tensor::from_vec(tokens, n, device)?;
-            let weights = Tensor::from_vec(weights, (n, 1), device)?.to_dtype(x.dtype())?;
-            let partial = expert.forward(&x.index_select(&index, 0)?)?.broadcast_mul(&weights)?;
+            let index = routes.tokens.narrow(0, offset, count)?;
+            let partial = expert.forward(&x.index_select(&index, 0)?)?.broadcast_mul(&weights.narrow(0, offset, count)?)?;
             out = out.index_add(&index, &partial, 0)?;
+            offset += count;
         }
         if let Some((shared, gate)) = &self.shared {
             let gate = candle_nn::ops::sigmoid(&linear(x, gate)?)?; // [tokens, 1]
@@ -198,25 +199,141 @@ impl SparseMoe {
         self.group.all_reduce(&out)
     }
 
-    /// For every expert, the tokens routed to it and their weights: softmax over all experts in
-    /// f32, the top k, renormalised when configured.
-    fn route(&self, x: &Tensor) -> Result<Vec<Vec<(u32, f32)>>> {
+    /// Softmax over all experts in f32, the top k, renormalised when configured.
+    fn route(&self, x: &Tensor) -> Result<Routes> {
         let logits = linear(x, &self.router)?.to_dtype(DType::F32)?;
-        let probs = candle_nn::ops::softmax_last_dim(&logits)?.to_vec2::<f32>()?;
-        let mut routes = vec![Vec::new(); self.experts.len()];
-        let mut order: Vec<usize> = Vec::with_capacity(self.experts.len());
+        let probs = candle_nn::ops::softmax_last_dim(&logits)?;
+        match Placement::of(x.device()) {
+            Placement::Host => Routes::on_host(&probs, self.top_k, self.norm_topk_prob),
+            Placement::Device => Routes::with_tensor_ops(&probs, self.top_k, self.norm_topk_prob),
+        }
+    }
+}
+
+/// The tokens routed to each expert and their routing weights, grouped by expert in index
+/// order and by token within an expert: expert e's are the `counts[e]` entries after those of
+/// the experts before it. The forward pass takes each expert's as one slice.
+struct Routes {
+    tokens: Tensor,  // [tokens * top_k] u32
+    weights: Tensor, // [tokens * top_k, 1] f32
+    counts: Vec<usize>,
+}
+
+impl Routes {
+    /// From the probabilities [tokens, experts] as a host loop (a CPU's: one sort per token
+    /// beats the tensor ops).
+    fn on_host(probs: &Tensor, top_k: usize, norm_topk_prob: bool) -> Result<Self> {
+        let (device, experts) = (probs.device(), probs.dim(1)?);
+        let probs = probs.to_vec2::<f32>()?;
+        let mut routes = vec![Vec::new(); experts];
+        let mut order: Vec<usize> = Vec::with_capacity(experts);
         for (token, row) in probs.iter().enumerate() {
             order.clear();
             order.extend(0..row.len());
             // Stable: on an exact tie the lower expert index wins.
             order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-            let chosen = &order[..self.top_k];
+            let chosen = &order[..top_k.min(experts)];
             let total: f32 = chosen.iter().map(|&e| row[e]).sum();
             for &e in chosen {
-                let weight = if self.norm_topk_prob { row[e] / total } else { row[e] };
+                let weight = if norm_topk_prob { row[e] / total } else { row[e] };
                 routes[e].push((token as u32, weight));
             }
         }
-        Ok(routes)
+        let counts = routes.iter().map(Vec::len).collect();
+        let (tokens, weights): (Vec<u32>, Vec<f32>) = routes.into_iter().flatten().unzip();
+        let n = tokens.len();
+        Ok(Self {
+            tokens: Tensor::from_vec(tokens, n, device)?,
+            weights: Tensor::from_vec(weights, (n, 1), device)?,
+            counts,
+        })
+    }
+
+    /// The same with the top k, their weights and the grouping as tensor ops on the
+    /// probabilities' device (a GPU's). The host gets one copy: the chosen experts' ids
+    /// (tokens x k u32, never the probabilities), because it sizes each expert's matmul.
+    fn with_tensor_ops(probs: &Tensor, top_k: usize, norm_topk_prob: bool) -> Result<Self> {
+        let (tokens, experts) = probs.dims2()?;
+        let k = top_k.min(experts);
+        let chosen = probs.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?; // [tokens, k] u32
+        let mut weights = probs.gather(&chosen, 1)?; // [tokens, k]
+        if norm_topk_prob {
+            weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+        }
+        let (slots, counts) = group_by_expert(&chosen.flatten_all()?.to_vec1::<u32>()?, experts)?;
+        let token_of_slot: Vec<u32> = slots.iter().map(|&slot| slot / k as u32).collect();
+        let slots = Tensor::from_vec(slots, tokens * k, probs.device())?;
+        Ok(Self {
+            tokens: Tensor::from_vec(token_of_slot, tokens * k, probs.device())?,
+            weights: weights.flatten_all()?.index_select(&slots, 0)?.unsqueeze(1)?,
+            counts,
+        })
+    }
+}
+
+/// A counting sort of the chosen expert ids ([tokens * k], token-major): the slots
+/// (token * k + j) grouped by expert in index order, token order kept within an expert, and
+/// each expert's count.
+fn group_by_expert(ids: &[u32], experts: usize) -> Result<(Vec<u32>, Vec<usize>)> {
+    let mut counts = vec![0usize; experts];
+    for &id in ids {
+        match counts.get_mut(id as usize) {
+            Some(count) => *count += 1,
+            None => bail!("the router chose expert {id} of {experts}"),
+        }
+    }
+    // Where each expert's slots begin.
+    let mut next: Vec<usize> = counts
+        .iter()
+        .scan(0, |start, &count| {
+            *start += count;
+            Some(*start - count)
+        })
+        .collect();
+    let mut slots = vec![0u32; ids.len()];
+    for (slot, &id) in ids.iter().enumerate() {
+        slots[next[id as usize]] = slot as u32;
+        next[id as usize] += 1;
+    }
+    Ok((slots, counts))
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    /// The tensor-op routing (a GPU's) picks the same experts for the same tokens, in the same
+    /// order, as the host loop (a CPU's), with the same weights to float rounding; with and
+    /// without renormalisation, for one token and for many.
+    #[test]
+    fn routing_with_tensor_ops_equals_the_host_loop() -> Result<()> {
+        for (tokens, experts, top_k) in [(1, 4, 2), (37, 16, 4), (64, 128, 8)] {
+            let logits = Tensor::randn(0f32, 2.0, (tokens, experts), &Device::Cpu)?;
+            let probs = candle_nn::ops::softmax_last_dim(&logits)?;
+            for norm in [false, true] {
+                let host = Routes::on_host(&probs, top_k, norm)?;
+                let device = Routes::with_tensor_ops(&probs, top_k, norm)?;
+                let label = format!("{tokens} tokens, {experts} experts, top {top_k}, renormalised {norm}");
+                assert_eq!(host.counts, device.counts, "{label}: counts");
+                assert_eq!(host.tokens.to_vec1::<u32>()?, device.tokens.to_vec1::<u32>()?, "{label}: tokens");
+                let diff: f32 = (&host.weights - &device.weights)?.abs()?.flatten_all()?.max(0)?.to_scalar()?;
+                assert!(diff < 1e-6, "{label}: weights differ by {diff}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn chosen_experts_group_by_expert_in_token_order() -> Result<()> {
+        // Three tokens, top 2: token 0 chose experts 2 and 0, token 1 experts 0 and 1, token 2
+        // experts 2 and 1.
+        let (slots, counts) = group_by_expert(&[2, 0, 0, 1, 2, 1], 4)?;
+        assert_eq!(counts, [2, 2, 2, 0]);
+        assert_eq!(slots, [1, 2, 3, 5, 0, 4]);
+        let err = group_by_expert(&[0, 4], 4).unwrap_err();
+        assert!(err.to_string().contains("expert 4 of 4"), "{err}");
+        Ok(())
     }
 }

@@ -232,6 +232,7 @@ pub struct VocabParallelEmbedding {
     /// dtype of the embeddings it returns
     compute_dtype: DType,
     vocab: Range<usize>,
+    vocab_size: usize,
     group: TpGroup,
 }
 
@@ -253,7 +254,7 @@ impl VocabParallelEmbedding {
             0,
             std::slice::from_ref(&vocab),
         )?;
-        Ok(Self { weight, compute_dtype: loader.dtype(), vocab, group: group.clone() })
+        Ok(Self { weight, compute_dtype: loader.dtype(), vocab, vocab_size, group: group.clone() })
     }
 
     /// ids [tokens] (u32) -> [tokens, hidden]. Ids must already be checked against vocab_size.
@@ -299,6 +300,8 @@ pub struct ParallelLmHead {
     weight: Weight, // [local_vocab, hidden]
     group: TpGroup,
     sampling_rank: usize,
+    /// every rank's vocabulary slice length, known to all, so the gather exchanges no shapes
+    vocab_parts: Vec<usize>,
 }
 
 impl ParallelLmHead {
@@ -311,20 +314,21 @@ impl ParallelLmHead {
     ) -> Result<Self> {
         let vocab = even_part(vocab_size, group.rank, group.world_size);
         let weight = loader.matmul_weight(&format!("{name}.weight"), &[vocab_size, hidden_size], 0, &[vocab])?;
-        Ok(Self::from_weight(weight, group))
+        Ok(Self::from_weight(weight, group, vocab_size))
     }
 
     /// Tied embeddings: reuse the embedding's vocabulary slice.
     pub fn tied(embedding: &VocabParallelEmbedding, group: &TpGroup) -> Self {
-        Self::from_weight(embedding.weight().clone(), group)
+        Self::from_weight(embedding.weight().clone(), group, embedding.vocab_size)
     }
 
     pub fn weight(&self) -> &Weight {
         &self.weight
     }
 
-    fn from_weight(weight: Weight, group: &TpGroup) -> Self {
-        Self { weight, group: group.clone(), sampling_rank: 0 }
+    fn from_weight(weight: Weight, group: &TpGroup, vocab_size: usize) -> Self {
+        let vocab_parts = (0..group.world_size).map(|rank| even_part(vocab_size, rank, group.world_size).len()).collect();
+        Self { weight, group: group.clone(), sampling_rank: 0, vocab_parts }
     }
 
     /// hidden [n, hidden] -> full logits [n, vocab] in f32 on the sampling rank, None elsewhere.
@@ -333,7 +337,7 @@ impl ParallelLmHead {
         if self.group.skips_collectives() {
             return Ok(Some(local));
         }
-        Ok(self.group.comm.gather(&local, 1, self.sampling_rank)?)
+        Ok(self.group.comm.gather_sized(&local, 1, self.sampling_rank, &self.vocab_parts)?)
     }
 }
 

@@ -18,14 +18,23 @@ pub struct PromptResult {
     pub last_logits: Vec<f32>,
 }
 
-/// A greedy run with the time its single-token steps took.
+/// A greedy run with the time its prefill and its single-token steps took.
 pub struct TimedResult {
     pub result: Option<PromptResult>,
+    pub timing: Timing,
+}
+
+/// What a timed greedy run measures. The prefill's time includes reading its logits, so on a
+/// GPU it covers the device's work too.
+#[derive(Debug, Default)]
+pub struct Timing {
+    pub prefill_tokens: usize,
+    pub prefill_time: std::time::Duration,
     pub decode_steps: usize,
     pub decode_time: std::time::Duration,
 }
 
-/// [`greedy`], timing the decode steps (for the benchmark).
+/// [`greedy`], timing the prefill and the decode steps (for the benchmark).
 pub fn greedy_timed(
     model: &Model,
     seq_id: u64,
@@ -34,9 +43,9 @@ pub fn greedy_timed(
     chunk: usize,
     suppressed: &[u32],
 ) -> Result<TimedResult> {
-    let mut timing = (0, std::time::Duration::ZERO);
+    let mut timing = Timing::default();
     let result = run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, &mut timing)?;
-    Ok(TimedResult { result, decode_steps: timing.0, decode_time: timing.1 })
+    Ok(TimedResult { result, timing })
 }
 
 /// Greedy decoding of `prompt`: prefill in chunks of `chunk` tokens (0 = all at once), then
@@ -50,7 +59,7 @@ pub fn greedy(
     chunk: usize,
     suppressed: &[u32],
 ) -> Result<Option<PromptResult>> {
-    run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, &mut (0, std::time::Duration::ZERO))
+    run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, &mut Timing::default())
 }
 
 fn run_greedy(
@@ -60,7 +69,7 @@ fn run_greedy(
     max_new: usize,
     chunk: usize,
     suppressed: &[u32],
-    timing: &mut (usize, std::time::Duration),
+    timing: &mut Timing,
 ) -> Result<Option<PromptResult>> {
     // One sequence owns the whole pool.
     let table = contiguous_table(0, prompt.len() + max_new, DEFAULT_BLOCK_SIZE);
@@ -68,6 +77,7 @@ fn run_greedy(
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut logits = None;
     let mut start = 0;
+    let started = std::time::Instant::now();
     for piece in prompt.chunks(chunk) {
         logits = model.step(&[SequenceInput::new(seq_id, piece, start, true, &table)], &mut store)?;
         start += piece.len();
@@ -76,6 +86,8 @@ fn run_greedy(
         Some(l) => Some(row(l)?),
         None => None,
     };
+    timing.prefill_tokens += prompt.len();
+    timing.prefill_time += started.elapsed();
     let mut new_ids = Vec::with_capacity(max_new);
     let mut next = last_logits.as_ref().map(|l| argmax(l, suppressed));
     for step in 0..max_new {
@@ -88,8 +100,8 @@ fn run_greedy(
         }
         let started = std::time::Instant::now();
         let out = model.step(&[SequenceInput::new(seq_id, &[token], start, true, &table)], &mut store)?;
-        timing.0 += 1;
-        timing.1 += started.elapsed();
+        timing.decode_steps += 1;
+        timing.decode_time += started.elapsed();
         start += 1;
         next = match out {
             Some(l) => Some(argmax(&row(&l)?, suppressed)),
