@@ -54,7 +54,8 @@ fn causal_mask_on_host(n: usize, total: usize, start: usize, device: &Device) ->
     Ok(Tensor::from_vec(mask, (n, total), device)?)
 }
 
-/// The same built on `device` from two position ranges, so nothing is copied to it per layer.
+/// The same built on `device` from two position ranges: it receives n + total positions
+/// (candle builds a range on the host) instead of the n x total mask, and nothing is read back.
 fn causal_mask_with_tensor_ops(n: usize, total: usize, start: usize, device: &Device) -> Result<Tensor> {
     let queries = Tensor::arange(start as u32, (start + n) as u32, device)?.unsqueeze(1)?;
     let keys = Tensor::arange(0u32, total as u32, device)?.unsqueeze(0)?;

@@ -322,11 +322,11 @@ fn recurrent_step(q: &Tensor, k: &Tensor, v: &Tensor, beta: &Tensor, g: &Tensor,
 
 /// The gated delta rule over n tokens in blocks of up to [`CHUNK`] (as transformers'
 /// torch_chunk_gated_delta_rule). Within a block the sequential updates collapse into a unit
-/// lower-triangular system (the UT transform of the DeltaNet paper). The blocks' systems do not
-/// depend on the memory, so all of them are built and solved at once; only the memory's carry
-/// runs block by block. Same inputs as [`recurrent_step`] with n tokens (beta and g [n, heads]);
-/// returns the output [heads, n, dv] and the new memory. `placement` says where the decay
-/// matrices and the solve are computed.
+/// lower-triangular system (the UT transform of the DeltaNet paper). The systems do not depend
+/// on the memory, so a group of equal blocks is built and solved in one batch; only the
+/// memory's carry runs block by block. Same inputs as [`recurrent_step`] with n tokens (beta and
+/// g [n, heads]); returns the output [heads, n, dv] and the new memory. `placement` says where
+/// the decay matrices and the solve are computed, and how blocks are grouped ([`BlockGroup`]).
 fn chunked_delta_rule(
     q: &Tensor,
     k: &Tensor,
@@ -336,66 +336,94 @@ fn chunked_delta_rule(
     mut memory: Tensor,
     placement: Placement,
 ) -> Result<(Tensor, Tensor)> {
-    let (heads, n, dk) = q.dims3()?;
-    let dv = v.dim(2)?;
-    let blocks = Blocks::of(n);
-    let (q, k, v) = (blocks.split(q)?, blocks.split(k)?, blocks.split(v)?); // [blocks * heads, len, d]
-    let gates = ChunkGates::new(&blocks.split_gate(beta)?, &blocks.split_gate(g)?, placement)?;
+    let mut outputs = Vec::new();
+    for group in BlockGroup::cover(q.dim(1)?, placement) {
+        let tokens = |t: &Tensor, dim: usize| t.narrow(dim, group.start, group.count * group.len);
+        let (q, k, v) = (group.split(&tokens(q, 1)?)?, group.split(&tokens(k, 1)?)?, group.split(&tokens(v, 1)?)?);
+        let gates = ChunkGates::new(&tokens(beta, 0)?, &tokens(g, 0)?, &group, placement)?;
+        memory = delta_rule_blocks(&q, &k, &v, &gates, memory, placement, &mut outputs)?;
+    }
+    Ok((Tensor::cat(&outputs, 1)?, memory))
+}
+
+/// One group's blocks: q, k [blocks * heads, len, dk] and v [.., dv] block-major, as
+/// [`BlockGroup::split`] makes them. Pushes each block's output [heads, len, dv] and returns the
+/// memory after the last block.
+fn delta_rule_blocks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    gates: &ChunkGates,
+    mut memory: Tensor,
+    placement: Placement,
+    outputs: &mut Vec<Tensor>,
+) -> Result<Tensor> {
+    let heads = memory.dim(0)?;
     let k_t = k.transpose(1, 2)?;
     let k_beta = k.broadcast_mul(&gates.beta)?;
     let v_beta = v.broadcast_mul(&gates.beta)?;
     // system[i, j] (j < i): how much token j's update changes what token i's key reads.
     let system = (k_beta.matmul(&k_t)? * &gates.decay)?;
-    let rhs = Tensor::cat(&[&v_beta, &k_beta.broadcast_mul(&gates.cum_decay)?], 2)?;
-    let solved = solve_unit_lower(&system, &rhs, placement)?; // [blocks * heads, len, dv + dk]
-    // Contiguous: candle's cuBLAS matmul refuses a matrix whose rows lie further apart than its
-    // width, as a column slice's do.
-    let new_values = solved.narrow(2, 0, dv)?.contiguous()?;
-    let decayed_keys = solved.narrow(2, dv, dk)?.contiguous()?;
+    let [new_values, decayed_keys] =
+        solve_unit_lower(&system, [&v_beta, &k_beta.broadcast_mul(&gates.cum_decay)?], placement)?;
     let intra = (q.matmul(&k_t)? * &gates.decay)?; // causal, decayed q.k within each block
     let q_decayed = q.broadcast_mul(&gates.cum_decay)?;
     let k_to_end_t = k.broadcast_mul(&gates.decay_to_end)?.transpose(1, 2)?;
-    let mut outputs = Vec::with_capacity(blocks.count);
-    for block in 0..blocks.count {
+    for block in 0..q.dim(0)? / heads {
         let at = |t: &Tensor| t.narrow(0, block * heads, heads);
         // The part of each update the memory from earlier blocks already predicts is removed.
         let v_new = (at(&new_values)? - at(&decayed_keys)?.matmul(&memory)?)?;
         outputs.push((at(&q_decayed)?.matmul(&memory)? + at(&intra)?.matmul(&v_new)?)?);
         memory = (memory.broadcast_mul(&at(&gates.block_decay)?)? + at(&k_to_end_t)?.matmul(&v_new)?)?;
     }
-    debug_assert_eq!(memory.dims(), &[heads, dk, dv]);
-    Ok((Tensor::cat(&outputs, 1)?.narrow(1, 0, n)?, memory))
+    Ok(memory)
 }
 
-/// How a prefill of n tokens is cut: `count` blocks of `len` tokens, the last one padded with
-/// `padding` zero tokens. A padded token changes nothing: its zero key writes nothing, its zero
-/// log-decay decays nothing, and its outputs are dropped.
-struct Blocks {
-    len: usize,
+/// `count` consecutive blocks of `len` tokens from token `start`, built and solved as one batch.
+#[derive(Debug, PartialEq, Eq)]
+struct BlockGroup {
+    start: usize,
     count: usize,
-    padding: usize,
+    len: usize,
 }
 
-impl Blocks {
-    fn of(n: usize) -> Self {
-        let len = n.clamp(1, CHUNK);
-        let count = n.div_ceil(len);
-        Self { len, count, padding: count * len - n }
+impl BlockGroup {
+    /// The groups that cover n tokens in blocks of up to [`CHUNK`]. On a GPU: all full blocks
+    /// in one group and the shorter last block in another, so a long prompt costs a few dozen
+    /// kernel launches, not a few dozen per block. On a CPU: a group per block, as small work
+    /// sets (a 64-token block's matrices are 16 KiB per head) run faster there than batches
+    /// large enough to be mapped fresh from the kernel every time (a form that batched every
+    /// block, the last one padded, made a 200-token prefill of the hybrid fixture 1.7x slower).
+    fn cover(n: usize, placement: Placement) -> Vec<Self> {
+        let (full, rest) = (n / CHUNK, n % CHUNK);
+        let mut groups: Vec<Self> = match placement {
+            Placement::Device if full > 0 => vec![Self { start: 0, count: full, len: CHUNK }],
+            Placement::Device => Vec::new(),
+            Placement::Host => (0..full).map(|b| Self { start: b * CHUNK, count: 1, len: CHUNK }).collect(),
+        };
+        if rest > 0 {
+            groups.push(Self { start: full * CHUNK, count: 1, len: rest });
+        }
+        groups
     }
 
-    /// x [heads, n, d] -> [count * heads, len, d], block-major: block b is rows b * heads.. of
-    /// the batch, so the carry loop takes each block as one contiguous slice.
+    /// x [heads, count * len, d] -> [count * heads, len, d], block-major: block b is rows
+    /// b * heads.. of the batch, so the carry loop takes each block as one slice. A single
+    /// block is `x` itself, uncopied: matmuls take its row stride as it is.
     fn split(&self, x: &Tensor) -> Result<Tensor> {
+        if self.count == 1 {
+            return Ok(x.clone());
+        }
         let (heads, _, d) = x.dims3()?;
-        let x = x.pad_with_zeros(1, 0, self.padding)?.reshape((heads, self.count, self.len, d))?;
-        Ok(x.transpose(0, 1)?.contiguous()?.reshape((self.count * heads, self.len, d))?)
+        let x = x.reshape((heads, self.count, self.len, d))?.transpose(0, 1)?;
+        Ok(x.contiguous()?.reshape((self.count * heads, self.len, d))?)
     }
 
-    /// A gate [n, heads] -> [count * heads, len], in the order of [`Self::split`].
+    /// A gate [count * len, heads] -> [count * heads, len], in the order of [`Self::split`].
     fn split_gate(&self, x: &Tensor) -> Result<Tensor> {
         let heads = x.dim(1)?;
-        let x = x.pad_with_zeros(0, 0, self.padding)?.reshape((self.count, self.len, heads))?;
-        Ok(x.transpose(1, 2)?.contiguous()?.reshape((self.count * heads, self.len))?)
+        let x = x.reshape((self.count, self.len, heads))?.transpose(1, 2)?;
+        Ok(x.contiguous()?.reshape((self.count * heads, self.len))?)
     }
 }
 
@@ -410,22 +438,29 @@ struct ChunkGates {
 }
 
 impl ChunkGates {
-    /// `beta` and `g` are [rows, len], one row per (block, head).
-    fn new(beta: &Tensor, g: &Tensor, placement: Placement) -> Result<Self> {
-        let beta = beta.unsqueeze(2)?;
+    /// The gates of a group's tokens, `beta` and `g` [count * len, heads] token-major, as rows
+    /// per (block, head) in the order of [`BlockGroup::split`].
+    fn new(beta: &Tensor, g: &Tensor, group: &BlockGroup, placement: Placement) -> Result<Self> {
         match placement {
-            Placement::Host => Self::on_host(beta, g),
-            Placement::Device => Self::with_tensor_ops(beta, g),
+            Placement::Host => Self::on_host(beta, g, group.len),
+            Placement::Device => Self::with_tensor_ops(group.split_gate(beta)?.unsqueeze(2)?, &group.split_gate(g)?),
         }
     }
 
-    /// The cumulative sums and exponentials as host loops.
-    fn on_host(beta: Tensor, g: &Tensor) -> Result<Self> {
-        let (rows, len) = g.dims2()?;
-        let mut cum = g.flatten_all()?.to_vec1::<f32>()?;
-        for row in cum.chunks_exact_mut(len) {
-            for t in 1..len {
-                row[t] += row[t - 1];
+    /// The cumulative sums and exponentials as host loops, reading the token-major gates in
+    /// place (no transposing op first).
+    fn on_host(beta: &Tensor, g: &Tensor, len: usize) -> Result<Self> {
+        let (heads, device) = (g.dim(1)?, g.device());
+        let (beta, g) = (beta.flatten_all()?.to_vec1::<f32>()?, g.flatten_all()?.to_vec1::<f32>()?);
+        let rows = g.len() / len;
+        // Where token t of row (block, head) is in the token-major gates.
+        let at = |row: usize, t: usize| ((row / heads) * len + t) * heads + row % heads;
+        let mut cum = vec![0f32; rows * len];
+        for (row, cum) in cum.chunks_exact_mut(len).enumerate() {
+            let mut total = 0f32;
+            for (t, cum) in cum.iter_mut().enumerate() {
+                total += g[at(row, t)];
+                *cum = total;
             }
         }
         let mut decay = vec![0f32; rows * len * len];
@@ -440,9 +475,9 @@ impl ChunkGates {
         let cum_decay = cum.iter().map(|c| c.exp()).collect();
         let decay_to_end = (0..rows * len).map(|i| (last(i / len) - cum[i]).exp()).collect();
         let block_decay = (0..rows).map(|row| last(row).exp()).collect();
-        let device = g.device();
+        let beta = (0..rows * len).map(|i| beta[at(i / len, i % len)]).collect();
         Ok(Self {
-            beta,
+            beta: Tensor::from_vec(beta, (rows, len, 1), device)?,
             decay: Tensor::from_vec(decay, (rows, len, len), device)?,
             cum_decay: Tensor::from_vec(cum_decay, (rows, len, 1), device)?,
             decay_to_end: Tensor::from_vec(decay_to_end, (rows, len, 1), device)?,
@@ -477,13 +512,22 @@ fn lower_triangle(len: usize, device: &Device) -> Result<Tensor> {
     Ok(positions.unsqueeze(1)?.broadcast_ge(&positions.unsqueeze(0)?)?)
 }
 
-/// Solves (I + L) X = B per batch row, where L is the strictly lower triangle of `system`
-/// [batch, len, len] (its diagonal and upper triangle are ignored, as in torch's
-/// solve_triangular(unitriangular=True)); B [batch, len, m].
-fn solve_unit_lower(system: &Tensor, rhs: &Tensor, placement: Placement) -> Result<Tensor> {
+/// Solves (I + L) X = B per batch row for two right-hand sides B [batch, len, m_i], where L is
+/// the strictly lower triangle of `system` [batch, len, len] (its diagonal and upper triangle
+/// are ignored, as in torch's solve_triangular(unitriangular=True)).
+fn solve_unit_lower(system: &Tensor, rhs: [&Tensor; 2], placement: Placement) -> Result<[Tensor; 2]> {
     match placement {
-        Placement::Host => solve_unit_lower_on_host(system, rhs),
-        Placement::Device => Ok(unit_lower_inverse(system)?.matmul(rhs)?),
+        Placement::Host => {
+            // One substitution over both, side by side; the CPU's gemm reads the column slices
+            // of the result as they are.
+            let width = rhs[0].dim(2)?;
+            let solved = solve_unit_lower_on_host(system, &Tensor::cat(&rhs, 2)?)?;
+            Ok([solved.narrow(2, 0, width)?, solved.narrow(2, width, rhs[1].dim(2)?)?])
+        }
+        Placement::Device => {
+            let inverse = unit_lower_inverse(system)?;
+            Ok([inverse.matmul(rhs[0])?, inverse.matmul(rhs[1])?])
+        }
     }
 }
 
@@ -606,7 +650,7 @@ mod tests {
     }
 
     /// The chunked form is the recurrent form reorganised: over several blocks (the last one
-    /// padded) and from a non-zero memory, both give the same outputs and final memory, with the
+    /// shorter) and from a non-zero memory, both give the same outputs and final memory, with the
     /// chunk systems built and solved on the host and with tensor ops.
     #[test]
     fn chunked_delta_rule_equals_token_by_token() -> Result<()> {
@@ -646,23 +690,40 @@ mod tests {
         Ok(())
     }
 
-    /// Both chunk-gate forms give the same decay matrices, including the zeros above the
-    /// diagonal where exp(G_i - G_j) would overflow (a steep log-decay).
+    #[test]
+    fn blocks_group_by_placement_and_cover_every_token() {
+        let group = |start, count, len| BlockGroup { start, count, len };
+        let n = 3 * CHUNK + 5;
+        assert_eq!(BlockGroup::cover(n, Placement::Device), [group(0, 3, CHUNK), group(3 * CHUNK, 1, 5)]);
+        assert_eq!(
+            BlockGroup::cover(n, Placement::Host),
+            [group(0, 1, CHUNK), group(CHUNK, 1, CHUNK), group(2 * CHUNK, 1, CHUNK), group(3 * CHUNK, 1, 5)]
+        );
+        assert_eq!(BlockGroup::cover(CHUNK, Placement::Device), [group(0, 1, CHUNK)]);
+        assert_eq!(BlockGroup::cover(7, Placement::Device), [group(0, 1, 7)]);
+        assert_eq!(BlockGroup::cover(7, Placement::Host), [group(0, 1, 7)]);
+    }
+
+    /// Both chunk-gate forms give the same gates for a group of blocks, including the zeros
+    /// above the diagonal where exp(G_i - G_j) would overflow (a steep log-decay).
     #[test]
     fn chunk_gates_agree_on_host_and_device() -> Result<()> {
-        let (rows, len) = (5, 48);
-        let g: Vec<f32> = (0..rows * len).map(|i| -6.0 * ((i * 29 % 83) as f32 / 83.0)).collect();
-        let g = Tensor::from_vec(g, (rows, len), &Device::Cpu)?;
-        let beta = Tensor::rand(0f32, 1.0, (rows, len), &Device::Cpu)?;
-        let host = ChunkGates::new(&beta, &g, Placement::Host)?;
-        let device = ChunkGates::new(&beta, &g, Placement::Device)?;
+        let (heads, group) = (3, BlockGroup { start: 0, count: 2, len: 48 });
+        let tokens = group.count * group.len;
+        let g: Vec<f32> = (0..tokens * heads).map(|i| -6.0 * ((i * 29 % 83) as f32 / 83.0)).collect();
+        let g = Tensor::from_vec(g, (tokens, heads), &Device::Cpu)?;
+        let beta = Tensor::rand(0f32, 1.0, (tokens, heads), &Device::Cpu)?;
+        let host = ChunkGates::new(&beta, &g, &group, Placement::Host)?;
+        let device = ChunkGates::new(&beta, &g, &group, Placement::Device)?;
         assert!(device.decay.flatten_all()?.to_vec1::<f32>()?.iter().all(|d| d.is_finite()));
+        assert_eq!(host.beta.to_vec3::<f32>()?, device.beta.to_vec3::<f32>()?);
         for (name, a, b) in [
             ("decay", &host.decay, &device.decay),
             ("cum_decay", &host.cum_decay, &device.cum_decay),
             ("decay_to_end", &host.decay_to_end, &device.decay_to_end),
             ("block_decay", &host.block_decay, &device.block_decay),
         ] {
+            assert_eq!(a.dims(), b.dims(), "{name}");
             // Relative: the decays span many orders of magnitude.
             let relative = ((a - b)?.abs()? / (a.abs()? + 1e-30)?)?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
             assert!(relative < 1e-4, "{name}: relative difference {relative}");
@@ -681,7 +742,7 @@ mod tests {
             let system = (entries * scale as f64)?; // diagonal and upper triangle ignored
             let rhs = Tensor::randn(0f32, 1.0, (3, len, 7), &device)?;
             let substituted = solve_unit_lower_on_host(&system, &rhs)?;
-            let inverted = solve_unit_lower(&system, &rhs, Placement::Device)?;
+            let inverted = unit_lower_inverse(&system)?.matmul(&rhs)?;
             let size = substituted.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
             let diff = max_diff(&substituted, &inverted)?;
             println!("len {len}, scale {scale}: solution up to {size:.2e}, max |difference| {diff:.2e}");

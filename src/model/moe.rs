@@ -249,9 +249,10 @@ impl Routes {
         })
     }
 
-    /// The same with the top k, their weights and the grouping as tensor ops on the
-    /// probabilities' device (a GPU's). The host gets one copy: the chosen experts' ids
-    /// (tokens x k u32, never the probabilities), because it sizes each expert's matmul.
+    /// The same with the top k and their weights as tensor ops on the probabilities' device (a
+    /// GPU's). The host gets one copy: the chosen experts' ids (tokens x k u32, never the
+    /// probabilities), because it sizes each expert's matmul. It groups them by expert and
+    /// sends back two index vectors, copies it does not wait for.
     fn with_tensor_ops(probs: &Tensor, top_k: usize, norm_topk_prob: bool) -> Result<Self> {
         let (tokens, experts) = probs.dims2()?;
         let k = top_k.min(experts);
