@@ -311,6 +311,7 @@ mod x86 {
 
     use candle_core::quantized::GgmlDType;
 
+    use super::super::kernels::x86::high_bits;
     use super::{ActQ8, GROUP, Parts, QK};
 
     const Q4_0: u8 = 0;
@@ -369,21 +370,6 @@ mod x86 {
     unsafe fn broadcast4(act: &ActQ8, at: usize) -> __m256i {
         // SAFETY: the caller keeps `at + 4` within `act.qs`; the load is unaligned.
         unsafe { _mm256_set1_epi32(act.qs.as_ptr().add(at).cast::<i32>().read_unaligned()) }
-    }
-
-    /// 32 bytes, 0x10 in byte j where bit j of the little-endian u32 at `p` is set, else 0.
-    #[inline(always)]
-    unsafe fn high_bits(p: *const u8) -> __m256i {
-        // SAFETY: 4 readable bytes at p; AVX2 is enabled by every caller.
-        unsafe {
-            let qh = p.cast::<u32>().read_unaligned() as i32;
-            let spread = _mm256_shuffle_epi8(
-                _mm256_set1_epi32(qh),
-                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
-            );
-            let set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi8(-1));
-            _mm256_and_si256(set, _mm256_set1_epi8(0x10))
-        }
     }
 
     /// `acc + ` the i32 lane sums of the u8 x i8 products of `w` and `x` (four per lane): VNNI's

@@ -253,7 +253,7 @@ fn rows_q8k(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[Vec<BlockQ8K>], d
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
     use candle_core::quantized::GgmlDType;
@@ -281,7 +281,7 @@ mod x86 {
 
     /// 32 bytes, 0x10 where bit j of the little-endian u32 at `p` is set (byte j), else 0.
     #[inline(always)]
-    unsafe fn high_bits(p: *const u8) -> __m256i {
+    pub(crate) unsafe fn high_bits(p: *const u8) -> __m256i {
         // SAFETY: 4 readable bytes at p; AVX2 is enabled by every caller.
         unsafe {
             let qh = p.cast::<u32>().read_unaligned() as i32;
