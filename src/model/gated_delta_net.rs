@@ -453,13 +453,13 @@ impl ChunkGates {
         let (heads, device) = (g.dim(1)?, g.device());
         let (beta, g) = (beta.flatten_all()?.to_vec1::<f32>()?, g.flatten_all()?.to_vec1::<f32>()?);
         let rows = g.len() / len;
-        // Where token t of row (block, head) is in the token-major gates.
-        let at = |row: usize, t: usize| ((row / heads) * len + t) * heads + row % heads;
+        // Row (block, head) reads the token-major gates from here, every `heads` values.
+        let row_start = |row: usize| (row / heads) * len * heads + row % heads;
         let mut cum = vec![0f32; rows * len];
         for (row, cum) in cum.chunks_exact_mut(len).enumerate() {
             let mut total = 0f32;
-            for (t, cum) in cum.iter_mut().enumerate() {
-                total += g[at(row, t)];
+            for (cum, g) in cum.iter_mut().zip(g[row_start(row)..].iter().step_by(heads)) {
+                total += g;
                 *cum = total;
             }
         }
@@ -475,9 +475,12 @@ impl ChunkGates {
         let cum_decay = cum.iter().map(|c| c.exp()).collect();
         let decay_to_end = (0..rows * len).map(|i| (last(i / len) - cum[i]).exp()).collect();
         let block_decay = (0..rows).map(|row| last(row).exp()).collect();
-        let beta = (0..rows * len).map(|i| beta[at(i / len, i % len)]).collect();
+        let mut beta_rows: Vec<f32> = Vec::with_capacity(rows * len);
+        for row in 0..rows {
+            beta_rows.extend(beta[row_start(row)..].iter().step_by(heads).take(len));
+        }
         Ok(Self {
-            beta: Tensor::from_vec(beta, (rows, len, 1), device)?,
+            beta: Tensor::from_vec(beta_rows, (rows, len, 1), device)?,
             decay: Tensor::from_vec(decay, (rows, len, len), device)?,
             cum_decay: Tensor::from_vec(cum_decay, (rows, len, 1), device)?,
             decay_to_end: Tensor::from_vec(decay_to_end, (rows, len, 1), device)?,
