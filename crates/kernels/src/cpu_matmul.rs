@@ -1,15 +1,18 @@
-//! CPU kernels for `x @ w.T` (x `[m, k]` f32, w `[n, k]`): the decode case and bf16 weights.
+//! CPU kernels for `x @ w.T` (x `[m, k]` f32, w `[n, k]` f32 or bf16): decode and batches.
 //!
 //! candle's gemm path for a handful of rows against a [out, in] weight reaches about a third of
 //! this machine's memory bandwidth, and decode is bound by streaming the weights once per step.
-//! Here each weight row is read once and dotted with every row of `x` while it is in L1, and the
-//! weight rows are split across the rayon pool (sized by RAYON_NUM_THREADS, like candle's).
+//! For a batch it repacks the whole transposed weight on every call, which was 40% of a
+//! 16-row decode step. Here the weight rows are split across the rayon pool (sized by
+//! RAYON_NUM_THREADS, like candle's) and each task computes register tiles of `RW` weight rows
+//! against up to `RX` rows of x: every weight vector loaded is used for `RX` rows and every x
+//! vector for `RW` weight rows, and the weights are read in place, never copied.
 //!
-//! Weights may be f32 (up to [`MAX_ROWS`] rows of `x`; candle's gemm does the rest) or bf16
-//! (any number of rows): a bf16 weight stays bf16 in memory, which halves the bytes a decode step
-//! streams, and is widened to f32 in registers (a bf16 is the high half of an f32, so widening is
-//! exact). Products and sums are f32, so the result equals the f32 computation on the widened
-//! weights up to the order of additions.
+//! A bf16 weight stays bf16 in memory, which halves the bytes a decode step streams, and is
+//! widened to f32 in registers (a bf16 is the high half of an f32, so widening is exact). Products
+//! and sums are f32, so the result equals the f32 computation on the widened weights up to the
+//! order of additions. Every element's additions happen in the same order whatever the number of
+//! rows, so a row's result does not depend on the batch it is in.
 //!
 //! One place, [`Isa::selected`], picks the instruction set: AVX-512F, AVX2 + FMA, or portable
 //! Rust. `TPSERVE_CPU_ISA=portable|avx2|avx512` caps it (for tests and comparisons), and
@@ -21,9 +24,6 @@ use anyhow::Result;
 use candle_core::{DType, Storage, Tensor};
 use rayon::prelude::*;
 
-/// Above this many rows candle's blocked gemm wins for f32 weights (it reuses weights across
-/// rows in registers). bf16 weights have no such limit: their kernel blocks rows itself.
-const MAX_ROWS: usize = 8;
 /// Weight rows per parallel task: large enough to amortise scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 64;
 
@@ -90,7 +90,7 @@ pub fn bf16_weights_fast() -> bool {
 }
 
 /// `x [m, k] @ w.T` for w `[n, k]`, or None when this kernel does not apply (not CPU, x not
-/// f32, w neither f32 nor bf16, too many rows for an f32 weight, non-contiguous weight).
+/// f32, w neither f32 nor bf16, non-contiguous weight).
 pub fn matmul_transposed(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     matmul_transposed_with(x, w, Isa::selected())
 }
@@ -105,39 +105,67 @@ pub fn matmul_transposed_with(x: &Tensor, w: &Tensor, isa: Isa) -> Result<Option
     if m == 0 || k != k_w || k == 0 {
         return Ok(None);
     }
-    let transposed = match w.dtype() {
-        DType::F32 if m <= MAX_ROWS => {
-            let x_values = x.flatten_all()?.to_vec1::<f32>()?;
-            let (storage, layout) = w.storage_and_layout();
-            let Storage::Cpu(cpu) = &*storage else { return Ok(None) };
-            let all = cpu.as_slice::<f32>()?;
-            f32_weights(&x_values, &all[layout.start_offset()..layout.start_offset() + n * k], m, k, isa)
-        }
-        DType::BF16 => {
-            let x_values = x.flatten_all()?.to_vec1::<f32>()?;
-            let (storage, layout) = w.storage_and_layout();
-            let Storage::Cpu(cpu) = &*storage else { return Ok(None) };
-            let all = cpu.as_slice::<half::bf16>()?;
-            let weights = &all[layout.start_offset()..layout.start_offset() + n * k];
-            bf16_weights(&x_values, bf16_bits(weights), m, k, isa)
-        }
+    let (storage, layout) = w.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else { return Ok(None) };
+    let stored = layout.start_offset()..layout.start_offset() + n * k;
+    let weights = match w.dtype() {
+        DType::F32 => Rows::F32(&cpu.as_slice::<f32>()?[stored]),
+        DType::BF16 => Rows::Bf16(bf16_bits(&cpu.as_slice::<half::bf16>()?[stored])),
         _ => return Ok(None),
     };
-    Ok(Some(Tensor::from_vec(transpose(&transposed, n, m), (m, n), x.device())?))
+    let x_values = x.flatten_all()?.to_vec1::<f32>()?;
+    Ok(Some(Tensor::from_vec(product(&x_values, weights, m, k, isa), (m, n), x.device())?))
 }
 
-/// `[n, m]` -> `[m, n]` (the kernels compute one task's weight rows into one contiguous block).
-fn transpose(values: &[f32], n: usize, m: usize) -> Vec<f32> {
-    if m == 1 {
-        return values.to_vec();
-    }
-    let mut out = vec![0f32; m * n];
-    for (j, row) in values.chunks_exact(m).enumerate() {
-        for (i, &value) in row.iter().enumerate() {
-            out[i * n + j] = value;
+/// Weight rows `[rows, k]`, as stored.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    /// bf16 bit patterns
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Rows<'a> {
+    fn len(self) -> usize {
+        match self {
+            Rows::F32(w) => w.len(),
+            Rows::Bf16(w) => w.len(),
         }
     }
-    out
+
+    /// Rows `first..first + count` of `k` elements.
+    fn rows(self, first: usize, count: usize, k: usize) -> Rows<'a> {
+        match self {
+            Rows::F32(w) => Rows::F32(&w[first * k..(first + count) * k]),
+            Rows::Bf16(w) => Rows::Bf16(&w[first * k..(first + count) * k]),
+        }
+    }
+}
+
+/// The output `[m, n]` of a product, shared by its parallel tasks: task `t` writes columns
+/// `t * ROWS_PER_TASK..` (its weight rows) of every row and nothing else, so the tasks never
+/// write the same element, and the results land in place (no transposition afterwards).
+#[derive(Clone, Copy)]
+struct Output {
+    ptr: *mut f32,
+    n: usize,
+}
+
+// SAFETY: an Output is only used by `product`'s tasks, which write disjoint elements (see the
+// type's comment) of a buffer that outlives them.
+unsafe impl Send for Output {}
+// SAFETY: as above.
+unsafe impl Sync for Output {}
+
+impl Output {
+    /// The element (x row `c`, weight row `r`) of the task whose first weight row is `first`.
+    ///
+    /// # Safety
+    /// `c < m`, `first + r < n`, and only that task writes it.
+    unsafe fn at(self, first: usize, c: usize, r: usize) -> *mut f32 {
+        // SAFETY: in bounds of the [m, n] buffer, as the caller promises.
+        unsafe { self.ptr.add(c * self.n + first + r) }
+    }
 }
 
 fn bf16_bits(values: &[half::bf16]) -> &[u16] {
@@ -151,82 +179,50 @@ fn widen(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
-/// The f32-weight path: out `[n, m]`, out[j * m + i] = dot(w[j], x[i]).
-fn f32_weights(x: &[f32], weights: &[f32], m: usize, k: usize, isa: Isa) -> Vec<f32> {
-    let n = weights.len() / k;
-    let mut transposed = vec![0f32; n * m];
-    let use_fma = isa >= Isa::Avx2;
-    transposed
-        .par_chunks_mut(ROWS_PER_TASK * m)
-        .zip(weights.par_chunks(ROWS_PER_TASK * k))
-        .for_each(|(out, w_rows)| {
-            if use_fma {
-                // SAFETY: `isa` is available (asserted by the caller), and Avx2 or better implies
-                // the CPU has AVX2 and FMA.
-                unsafe { rows_fma(out, w_rows, x, m, k) }
-            } else {
-                rows_generic(out, w_rows, x, m, k)
-            }
-        });
-    transposed
-}
-
-/// The bf16-weight path: out `[n, m]`, out[j * m + i] = dot(widen(w[j]), x[i]) in f32.
-fn bf16_weights(x: &[f32], weights: &[u16], m: usize, k: usize, isa: Isa) -> Vec<f32> {
-    let n = weights.len() / k;
-    let mut transposed = vec![0f32; n * m];
-    transposed
-        .par_chunks_mut(ROWS_PER_TASK * m)
-        .zip(weights.par_chunks(ROWS_PER_TASK * k))
-        .for_each(|(out, w_rows)| match isa {
-            Isa::Portable => bf16_block_portable(out, w_rows, x, m, k),
-            // SAFETY (both arms): `isa` is available on this CPU, asserted by the caller.
+/// `x [m, k] @ w.T` as `[m, n]`, the weight rows split into tasks over the pool. The one place
+/// a path is taken.
+fn product(x: &[f32], w: Rows, m: usize, k: usize, isa: Isa) -> Vec<f32> {
+    let n = w.len() / k;
+    let mut values = vec![0f32; m * n];
+    let out = Output { ptr: values.as_mut_ptr(), n };
+    (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
+        let first = task * ROWS_PER_TASK;
+        let rows = w.rows(first, ROWS_PER_TASK.min(n - first), k);
+        let out = out; // the whole Output (Send), not its raw pointer field
+        match isa {
+            Isa::Portable => portable(out, first, rows, x, m, k),
+            // SAFETY (both arms): `isa` is available on this CPU, asserted by the caller; the
+            // task writes only the columns of its rows `first..`.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { x86::bf16_block::<x86::Avx2>(out, w_rows, x, m, k) },
+            Isa::Avx2 => unsafe { x86::block::<x86::Avx2>(out, first, rows, x, m, k) },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { x86::bf16_block::<x86::Avx512>(out, w_rows, x, m, k) },
+            Isa::Avx512 => unsafe { x86::block::<x86::Avx512>(out, first, rows, x, m, k) },
             // Isa::available is false for the x86 paths elsewhere, so this arm is never taken;
             // the portable path keeps it correct rather than a crash.
             #[cfg(not(target_arch = "x86_64"))]
-            _ => bf16_block_portable(out, w_rows, x, m, k),
-        });
-    transposed
-}
-
-/// Portable: each weight row widened once into a scratch row, then dotted with every x row.
-fn bf16_block_portable(out: &mut [f32], w_rows: &[u16], x: &[f32], m: usize, k: usize) {
-    let mut row = vec![0f32; k];
-    for (j, w_row) in w_rows.chunks_exact(k).enumerate() {
-        for (dst, &bits) in row.iter_mut().zip(w_row) {
-            *dst = widen(bits);
+            _ => portable(out, first, rows, x, m, k),
         }
-        for i in 0..m {
-            out[j * m + i] = dot::<false>(&row, &x[i * k..(i + 1) * k]);
-        }
-    }
+    });
+    values
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rows_fma(out: &mut [f32], w_rows: &[f32], x: &[f32], m: usize, k: usize) {
-    rows::<true>(out, w_rows, x, m, k)
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn rows_fma(out: &mut [f32], w_rows: &[f32], x: &[f32], m: usize, k: usize) {
-    rows::<false>(out, w_rows, x, m, k)
-}
-
-fn rows_generic(out: &mut [f32], w_rows: &[f32], x: &[f32], m: usize, k: usize) {
-    rows::<false>(out, w_rows, x, m, k)
-}
-
-/// out[j * m + i] = dot(w_rows[j], x[i]) for the weight rows of one task.
-#[inline(always)]
-fn rows<const FMA: bool>(out: &mut [f32], w_rows: &[f32], x: &[f32], m: usize, k: usize) {
-    for (j, w_row) in w_rows.chunks_exact(k).enumerate() {
-        for i in 0..m {
-            out[j * m + i] = dot::<FMA>(w_row, &x[i * k..(i + 1) * k]);
+/// The portable path for one task: each weight row (widened once into a scratch row when
+/// bf16) dotted with every x row.
+fn portable(out: Output, first: usize, w: Rows, x: &[f32], m: usize, k: usize) {
+    let mut widened = vec![0f32; k];
+    for r in 0..w.len() / k {
+        let row: &[f32] = match w {
+            Rows::F32(w) => &w[r * k..(r + 1) * k],
+            Rows::Bf16(w) => {
+                for (dst, &bits) in widened.iter_mut().zip(&w[r * k..(r + 1) * k]) {
+                    *dst = widen(bits);
+                }
+                &widened
+            }
+        };
+        for c in 0..m {
+            // SAFETY: c < m and first + r < n (the task's rows), written by this task only.
+            unsafe { *out.at(first, c, r) = dot(row, &x[c * k..(c + 1) * k]) }
         }
     }
 }
@@ -234,14 +230,14 @@ fn rows<const FMA: bool>(out: &mut [f32], w_rows: &[f32], x: &[f32], m: usize, k
 /// A dot product with 16 independent accumulators, which the compiler keeps in two vector
 /// registers (the order of additions differs from a serial sum by rounding only).
 #[inline(always)]
-fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0f32; LANES];
     let chunks = a.len() / LANES;
     for c in 0..chunks {
         let (a, b) = (&a[c * LANES..(c + 1) * LANES], &b[c * LANES..(c + 1) * LANES]);
         for l in 0..LANES {
-            acc[l] = if FMA { a[l].mul_add(b[l], acc[l]) } else { acc[l] + a[l] * b[l] };
+            acc[l] += a[l] * b[l];
         }
     }
     let mut sum = 0f32;
@@ -261,8 +257,12 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::{Output, Rows};
+
     /// Weight rows per tile (the last rows of a task go one at a time).
     const RW: usize = 4;
+    /// How far ahead, in tiles, the weights are prefetched.
+    const PREFETCH_TILES: usize = 1;
 
     pub struct Avx2;
     pub struct Avx512;
@@ -270,13 +270,15 @@ mod x86 {
     pub trait Simd {
         /// Most x rows per tile: the accumulators, `RW * RX` vectors, must fit the registers.
         const RX: usize;
-        /// Writes out[r * out_stride + c] = dot(w row r, x row c) for r < rw, c < rx.
+        /// Writes out[c * out_stride + r] = dot(w row r, x row c) for r < rw, c < rx, and when
+        /// `prefetch`, prefetches the weights of the next tile meanwhile.
         ///
         /// # Safety
         /// The CPU has the path's features; `w` points to `rw` rows of `k` elements (u16 bf16
-        /// bits when `bf16`, else f32), `x` to `rx` rows of `k` f32, `out` to `rw` rows of
-        /// `out_stride >= rx` f32; `rw` is 1 or [`RW`], `1 <= rx <= Self::RX`.
-        unsafe fn tile(bf16: bool, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize);
+        /// bits when `bf16`, else f32), `x` to `rx` rows of `k` f32, `out` to `rx` rows of
+        /// `out_stride >= rw` writable f32; `rw` is 1 or [`RW`], `1 <= rx <= Self::RX`.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn tile(bf16: bool, prefetch: bool, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize);
     }
 
     macro_rules! tile_fn {
@@ -285,6 +287,7 @@ mod x86 {
             /// As [`Simd::tile`].
             #[target_feature(enable = $feature)]
             unsafe fn $name<const BF16: bool, const TR: usize, const TC: usize>(
+                prefetch: bool,
                 w: *const u8,
                 x: *const f32,
                 k: usize,
@@ -295,8 +298,21 @@ mod x86 {
                 // for (r < TR, c < TC, element < k), and the CPU has $feature.
                 unsafe {
                     let mut acc = [[$zero(); TC]; TR];
+                    let esize = if BF16 { 2 } else { 4 };
+                    // The weight bytes of this tile, consumed at `TR * $lanes * esize` bytes per
+                    // step; at the same rate, the bytes PREFETCH_TILES tiles further on (the
+                    // next weight rows: rows are contiguous) are prefetched.
+                    let ahead = (w as *const i8).wrapping_add(PREFETCH_TILES * TR * k * esize);
                     let mut kk = 0;
                     while kk + $lanes <= k {
+                        let consumed = kk * TR * esize;
+                        let mut line = 0;
+                        while prefetch && line < TR * $lanes * esize {
+                            // A prefetch never faults, and wrapping_add computes the address
+                            // without asserting that it is inside the weights.
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(consumed + line));
+                            line += 64;
+                        }
                         let mut xv = [$zero(); TC];
                         for c in 0..TC {
                             xv[c] = $load(x.add(c * k + kk));
@@ -324,7 +340,7 @@ mod x86 {
                                 };
                                 sum += wt * *x.add(c * k + t);
                             }
-                            *out.add(r * out_stride + c) = sum;
+                            *out.add(c * out_stride + r) = sum;
                         }
                     }
                 }
@@ -394,9 +410,9 @@ mod x86 {
 
     impl Simd for Avx2 {
         const RX: usize = 2;
-        unsafe fn tile(bf16: bool, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
+        unsafe fn tile(bf16: bool, prefetch: bool, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { dispatch!(tile256, bf16, rw, rx, (w, x, k, out, out_stride), [1, 2]) }
+            unsafe { dispatch!(tile256, bf16, rw, rx, (prefetch, w, x, k, out, out_stride), [1, 2]) }
         }
     }
 
@@ -444,43 +460,53 @@ mod x86 {
 
     impl Simd for Avx512 {
         const RX: usize = 4;
-        unsafe fn tile(bf16: bool, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
+        unsafe fn tile(bf16: bool, prefetch: bool, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { dispatch!(tile512, bf16, rw, rx, (w, x, k, out, out_stride), [1, 2, 3, 4]) }
+            unsafe { dispatch!(tile512, bf16, rw, rx, (prefetch, w, x, k, out, out_stride), [1, 2, 3, 4]) }
         }
     }
 
-    /// One task's weight rows against every x row: out `[rows, m]`. With at most `S::RX` x rows
-    /// the tiles read bf16 directly; with more, each group of weight rows is widened once into
-    /// an f32 scratch block (in L1) and reused for every group of x rows.
+    /// One task's weight rows (the first is row `first` of the matrix) against every x row,
+    /// into their columns of `out`. The tiles read f32 weights in place. bf16 weights are read
+    /// in place too when there are at most `S::RX` x rows (one tile column: each weight vector
+    /// is widened once anyway); with more, each group of `RW` weight rows is widened once into an
+    /// f32 scratch block (in L1) and reused for every group of x rows.
     ///
     /// # Safety
-    /// The CPU has the features of path `S`.
-    pub unsafe fn bf16_block<S: Simd>(out: &mut [f32], w_rows: &[u16], x: &[f32], m: usize, k: usize) {
-        let rows = w_rows.len() / k;
-        assert!(w_rows.len() == rows * k && x.len() == m * k && out.len() == rows * m);
-        let mut scratch = if m > S::RX { vec![0f32; RW * k] } else { Vec::new() };
+    /// The CPU has the features of path `S`; `out` is `[m, n]` with `first + rows <= n`, and
+    /// no other task writes these columns.
+    pub(super) unsafe fn block<S: Simd>(out: Output, first: usize, w: Rows, x: &[f32], m: usize, k: usize) {
+        let rows = w.len() / k;
+        assert!(w.len() == rows * k && x.len() == m * k);
+        let widen_once = matches!(w, Rows::Bf16(_)) && m > S::RX;
+        let mut scratch = if widen_once { vec![0f32; RW * k] } else { Vec::new() };
         let mut j = 0;
         while j < rows {
             let rw = if rows - j >= RW { RW } else { 1 };
-            let w = &w_rows[j * k..(j + rw) * k];
-            let out_rows = out[j * m..(j + rw) * m].as_mut_ptr();
-            if m <= S::RX {
-                // SAFETY: w holds rw rows of k bf16, x holds m <= RX rows of k, out_rows rw rows
-                // of m; the CPU has S's features (this function's contract).
-                unsafe { S::tile(true, rw, m, w.as_ptr().cast(), x.as_ptr(), k, out_rows, m) }
-            } else {
-                for (dst, &bits) in scratch.iter_mut().zip(w) {
-                    *dst = super::widen(bits);
+            let (bf16, tile_w) = match w {
+                Rows::Bf16(bits) if widen_once => {
+                    for (dst, &b) in scratch.iter_mut().zip(&bits[j * k..(j + rw) * k]) {
+                        *dst = super::widen(b);
+                    }
+                    (false, scratch.as_ptr().cast::<u8>())
                 }
-                let mut i = 0;
-                while i < m {
-                    let rx = (m - i).min(S::RX);
-                    // SAFETY: scratch holds rw rows of k f32, x[i * k..] holds rx more rows of
-                    // k, and out_rows + i leaves rx columns of each of the rw rows of m.
-                    unsafe { S::tile(false, rw, rx, scratch.as_ptr().cast(), x[i * k..].as_ptr(), k, out_rows.add(i), m) }
-                    i += rx;
+                Rows::Bf16(bits) => (true, bits[j * k..].as_ptr().cast::<u8>()),
+                Rows::F32(values) => (false, values[j * k..].as_ptr().cast::<u8>()),
+            };
+            let mut i = 0;
+            while i < m {
+                let rx = (m - i).min(S::RX);
+                // SAFETY: tile_w holds rw rows of k weights (bf16 bits when `bf16`, else f32:
+                // the task's rows j.. or their widened copy), x[i * k..] holds rx more rows of
+                // k, and the tile writes elements (i + c, first + j + r), c < rx, r < rw, of
+                // the [m, n] output, which are this task's (this function's contract); the CPU
+                // has S's features. The first pass over these weight rows prefetches the next
+                // ones; later passes find these in L1.
+                unsafe {
+                    let dst = out.at(first, i, j);
+                    S::tile(bf16, i == 0, rw, rx, tile_w, x[i * k..].as_ptr(), k, dst, out.n);
                 }
+                i += rx;
             }
             j += rw;
         }
@@ -548,7 +574,7 @@ mod tests {
     }
 
     /// Odd shapes: k below, at and off multiples of 8/16/32, n off multiples of the tile (4)
-    /// and of the task (64 rows), m from 1 to 8 and past the f32 limit.
+    /// and of the task (64 rows); the tests take m from 1 to 8 and past every tile width.
     const SHAPES: [(usize, usize); 9] =
         [(1, 1), (7, 3), (16, 5), (17, 4), (31, 67), (64, 64), (100, 37), (257, 130), (768, 129)];
 
@@ -570,7 +596,7 @@ mod tests {
     #[test]
     fn f32_weights_match_the_reference_on_every_path_this_cpu_has() {
         for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
-            for m in 1..=MAX_ROWS {
+            for m in (1..=8).chain([9, 13, 33, 64]) {
                 for (k, n) in SHAPES {
                     check(isa, DType::F32, m, k, n);
                 }
@@ -591,7 +617,7 @@ mod tests {
 
     #[test]
     fn matches_candle_matmul() {
-        for (m, k, n) in [(1, 64, 448), (3, 100, 37), (8, 768, 130), (2, 17, 1)] {
+        for (m, k, n) in [(1, 64, 448), (3, 100, 37), (8, 768, 130), (2, 17, 1), (16, 768, 300), (64, 96, 70)] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu).unwrap();
             let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
             let ours = matmul_transposed(&x, &w).unwrap().unwrap();
@@ -602,11 +628,26 @@ mod tests {
     }
 
     #[test]
+    fn a_row_does_not_depend_on_its_batch() {
+        // Every element sums in the same order whatever the number of rows: row i of a batch
+        // equals the same row alone, bit for bit, on every path and weight dtype.
+        for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
+            for dtype in [DType::F32, DType::BF16] {
+                let (m, k, n) = (13, 257, 130);
+                let x = Tensor::from_vec(values(m * k, 3), (m, k), &Device::Cpu).unwrap();
+                let w = Tensor::from_vec(values(n * k, 4), (n, k), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+                let batch = matmul_transposed_with(&x, &w, isa).unwrap().unwrap().to_vec2::<f32>().unwrap();
+                for (i, row) in batch.iter().enumerate() {
+                    let alone = matmul_transposed_with(&x.narrow(0, i, 1).unwrap(), &w, isa).unwrap().unwrap();
+                    assert_eq!(&alone.to_vec2::<f32>().unwrap()[0], row, "{isa:?} {dtype:?} row {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn declines_what_it_does_not_handle() {
-        // Too many rows for an f32 weight (candle's gemm is faster there).
-        let x = Tensor::zeros((9, 4), DType::F32, &Device::Cpu).unwrap();
         let w = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap();
-        assert!(matmul_transposed(&x, &w).unwrap().is_none());
         // bf16 activations: the model computes in bf16, candle handles it.
         let x = Tensor::zeros((1, 4), DType::BF16, &Device::Cpu).unwrap();
         assert!(matmul_transposed(&x, &w.to_dtype(DType::BF16).unwrap()).unwrap().is_none());
