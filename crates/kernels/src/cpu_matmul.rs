@@ -188,7 +188,6 @@ fn product(x: &[f32], w: Rows, m: usize, k: usize, isa: Isa) -> Vec<f32> {
     (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
         let first = task * ROWS_PER_TASK;
         let rows = w.rows(first, ROWS_PER_TASK.min(n - first), k);
-        let out = out; // the whole Output (Send), not its raw pointer field
         match isa {
             Isa::Portable => portable(out, first, rows, x, m, k),
             // SAFETY (both arms): `isa` is available on this CPU, asserted by the caller; the
