@@ -24,6 +24,8 @@ use anyhow::Result;
 use candle_core::{DType, Storage, Tensor};
 use rayon::prelude::*;
 
+use crate::output::Output;
+
 /// Weight rows per parallel task: large enough to amortise scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 64;
 
@@ -142,32 +144,6 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// The output `[m, n]` of a product, shared by its parallel tasks: task `t` writes columns
-/// `t * ROWS_PER_TASK..` (its weight rows) of every row and nothing else, so the tasks never
-/// write the same element, and the results land in place (no transposition afterwards).
-#[derive(Clone, Copy)]
-struct Output {
-    ptr: *mut f32,
-    n: usize,
-}
-
-// SAFETY: an Output is only used by `product`'s tasks, which write disjoint elements (see the
-// type's comment) of a buffer that outlives them.
-unsafe impl Send for Output {}
-// SAFETY: as above.
-unsafe impl Sync for Output {}
-
-impl Output {
-    /// The element (x row `c`, weight row `r`) of the task whose first weight row is `first`.
-    ///
-    /// # Safety
-    /// `c < m`, `first + r < n`, and only that task writes it.
-    unsafe fn at(self, first: usize, c: usize, r: usize) -> *mut f32 {
-        // SAFETY: in bounds of the [m, n] buffer, as the caller promises.
-        unsafe { self.ptr.add(c * self.n + first + r) }
-    }
-}
-
 fn bf16_bits(values: &[half::bf16]) -> &[u16] {
     // SAFETY: half::bf16 is a #[repr(transparent)] wrapper of u16: same size, alignment and
     // validity, so the slice can be viewed as its bit patterns.
@@ -184,7 +160,7 @@ fn widen(bits: u16) -> f32 {
 fn product(x: &[f32], w: Rows, m: usize, k: usize, isa: Isa) -> Vec<f32> {
     let n = w.len() / k;
     let mut values = vec![0f32; m * n];
-    let out = Output { ptr: values.as_mut_ptr(), n };
+    let out = Output::new(&mut values, n);
     (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
         let first = task * ROWS_PER_TASK;
         let rows = w.rows(first, ROWS_PER_TASK.min(n - first), k);
@@ -503,7 +479,7 @@ mod x86 {
                 // ones; later passes find these in L1.
                 unsafe {
                     let dst = out.at(first, i, j);
-                    S::tile(bf16, i == 0, rw, rx, tile_w, x[i * k..].as_ptr(), k, dst, out.n);
+                    S::tile(bf16, i == 0, rw, rx, tile_w, x[i * k..].as_ptr(), k, dst, out.n());
                 }
                 i += rx;
             }

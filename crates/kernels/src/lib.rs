@@ -11,6 +11,7 @@
 //! (`tpserve::model::cpu_matmul`, `tpserve::model::quant`).
 
 pub mod cpu_matmul;
+mod output;
 pub mod quant;
 
 /// Deterministic test inputs shared by the quantized formats' and kernels' tests.

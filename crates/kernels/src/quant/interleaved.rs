@@ -36,6 +36,7 @@ use candle_core::quantized::GgmlDType;
 use rayon::prelude::*;
 
 use super::formats::row_bytes;
+use crate::output::Output;
 use super::kernels::{self, ActQ8, Path, quantize_act};
 
 /// Rows per interleaved group: one per 32-bit lane of a 256-bit register.
@@ -200,12 +201,10 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     let acts: Vec<&ActQ8> = acts.iter().collect();
     let groups = n / GROUP;
     let grouped_rows = groups * GROUP;
-    // out_t[row][i]: weight rows are the parallel dimension.
-    let mut out_t = vec![0f32; grouped_rows * m];
-    let task_rows = GROUPS_PER_TASK * GROUP;
-    out_t.par_chunks_mut(task_rows * m.max(1)).enumerate().for_each(|(task, out)| {
-        for (i, out) in out.chunks_exact_mut(GROUP * m).enumerate() {
-            let g = task * GROUPS_PER_TASK + i;
+    let mut values = vec![0f32; m * n];
+    let out = Output::new(&mut values, n);
+    (0..groups.div_ceil(GROUPS_PER_TASK)).into_par_iter().for_each(|task| {
+        for g in task * GROUPS_PER_TASK..((task + 1) * GROUPS_PER_TASK).min(groups) {
             let group = &w[g * GROUP * rb..(g + 1) * GROUP * rb];
             let mut done = 0;
             while done < m {
@@ -213,27 +212,21 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
                 let mut sums = [[0f32; GROUP]; 4];
                 group_dot(path, dtype, group, &acts[done..done + take], &mut sums[..take]);
                 for (j, lanes) in sums[..take].iter().enumerate() {
-                    for (r, v) in lanes.iter().enumerate() {
-                        out[r * m + done + j] = *v;
-                    }
+                    // SAFETY: activation row done + j < m and weight row g * GROUP + r < n, in
+                    // this task's groups: no other task writes them.
+                    unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.at(g * GROUP, done + j, 0), GROUP) }
                 }
                 done += take;
             }
         }
     });
-    let mut out = vec![0f32; m * n];
-    for (row, values) in out_t.chunks_exact(m.max(1)).enumerate() {
-        for (i, &v) in values.iter().enumerate() {
-            out[i * n + row] = v;
-        }
-    }
     if grouped_rows < n {
         let tail = kernels::matmul(x, m, k, dtype, &w[grouped_rows * rb..], n - grouped_rows, path);
         for i in 0..m {
-            out[i * n + grouped_rows..(i + 1) * n].copy_from_slice(&tail[i * (n - grouped_rows)..(i + 1) * (n - grouped_rows)]);
+            values[i * n + grouped_rows..(i + 1) * n].copy_from_slice(&tail[i * (n - grouped_rows)..(i + 1) * (n - grouped_rows)]);
         }
     }
-    out
+    values
 }
 
 /// One group's eight rows against up to four activation rows: `out[j][r]` is row r dotted with
