@@ -97,7 +97,7 @@ fn run() {
             })
             .collect();
         let bytes = (params * dtype.size_in_bytes()) as f64;
-        for m in [1, 4, 16, 64] {
+        for m in [1, 4, 16, 32, 64, 256] {
             let xs: Vec<Tensor> = [HIDDEN, 2048]
                 .iter()
                 .map(|&k| Tensor::from_vec((0..m * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect::<Vec<f32>>(), (m, k), &Device::Cpu).unwrap())

@@ -6,7 +6,8 @@
 //! 16-row decode step. Here the weight rows are split across the rayon pool (sized by
 //! RAYON_NUM_THREADS, like candle's) and each task computes register tiles of `RW` weight rows
 //! against up to `RX` rows of x: every weight vector loaded is used for `RX` rows and every x
-//! vector for `RW` weight rows, and the weights are read in place, never copied.
+//! vector for `RW` weight rows, and the weights are read in place, never copied. Past
+//! [`F32_MAX_ROWS`] rows (a prompt) f32 weights go back to candle's gemm, faster there.
 //!
 //! A bf16 weight stays bf16 in memory, which halves the bytes a decode step streams, and is
 //! widened to f32 in registers (a bf16 is the high half of an f32, so widening is exact). Products
@@ -26,6 +27,12 @@ use rayon::prelude::*;
 
 use crate::output::Output;
 
+/// Above this many rows an f32 weight goes to candle's gemm: its broadcast microkernel beats the
+/// dot-product tiles once repacking the weight is spread over enough rows (examples/dense_matmul,
+/// 2 threads: tiles 75 against 53 GFLOP/s at 16 rows, 98 against 90 at 64, 117 against 153 at
+/// 256). A prompt's prefill is usually past it; decode batches are not. bf16 weights have no
+/// such limit (candle would need an f32 copy of the weight per call).
+const F32_MAX_ROWS: usize = 64;
 /// Weight rows per parallel task: large enough to amortise scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 64;
 
@@ -92,7 +99,8 @@ pub fn bf16_weights_fast() -> bool {
 }
 
 /// `x [m, k] @ w.T` for w `[n, k]`, or None when this kernel does not apply (not CPU, x not
-/// f32, w neither f32 nor bf16, non-contiguous weight).
+/// f32, w neither f32 nor bf16, more than [`F32_MAX_ROWS`] rows against an f32 weight,
+/// non-contiguous weight).
 pub fn matmul_transposed(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     matmul_transposed_with(x, w, Isa::selected())
 }
@@ -111,7 +119,7 @@ pub fn matmul_transposed_with(x: &Tensor, w: &Tensor, isa: Isa) -> Result<Option
     let Storage::Cpu(cpu) = &*storage else { return Ok(None) };
     let stored = layout.start_offset()..layout.start_offset() + n * k;
     let weights = match w.dtype() {
-        DType::F32 => Rows::F32(&cpu.as_slice::<f32>()?[stored]),
+        DType::F32 if m <= F32_MAX_ROWS => Rows::F32(&cpu.as_slice::<f32>()?[stored]),
         DType::BF16 => Rows::Bf16(bf16_bits(&cpu.as_slice::<half::bf16>()?[stored])),
         _ => return Ok(None),
     };
@@ -623,6 +631,10 @@ mod tests {
     #[test]
     fn declines_what_it_does_not_handle() {
         let w = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap();
+        // A prefill's many rows against an f32 weight (candle's gemm is faster there).
+        let x = Tensor::zeros((F32_MAX_ROWS + 1, 4), DType::F32, &Device::Cpu).unwrap();
+        assert!(matmul_transposed(&x, &w).unwrap().is_none());
+        assert!(matmul_transposed(&x, &w.to_dtype(DType::BF16).unwrap()).unwrap().is_some());
         // bf16 activations: the model computes in bf16, candle handles it.
         let x = Tensor::zeros((1, 4), DType::BF16, &Device::Cpu).unwrap();
         assert!(matmul_transposed(&x, &w.to_dtype(DType::BF16).unwrap()).unwrap().is_none());
