@@ -9,11 +9,14 @@
 //! for probs·v in one copy each: the same single copy per step the contiguous cache made (its
 //! narrowed views had to be made contiguous anyway), so decode speed does not drop.
 //!
+//! A decode step on a CPU (one new token of a sequence, f32) skips that copy: attention reads
+//! the blocks where they are ([`LayerBlocks::host_history`], `attention::attend_one_on_host`).
+//!
 //! A block's storage is allocated the first time it is written and kept for reuse, so a rank
 //! never holds more than the pool's `num_blocks` blocks, however the ids are reused.
 
 use anyhow::{Result, bail};
-use candle_core::Tensor;
+use candle_core::{DType, Storage, Tensor};
 
 /// Positions per block unless the coordinator asks for another size.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -75,6 +78,13 @@ impl LayerBlocks {
     /// the sequence whose blocks are `table`, and returns its whole history: keys transposed,
     /// [kv_heads, head_dim, start + n], and values [kv_heads, start + n, head_dim], contiguous.
     pub fn append(&mut self, table: &[u32], start: usize, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.write(table, start, keys, values)?;
+        self.gather(table, start + keys.dim(1)?)
+    }
+
+    /// Writes the keys and values [kv_heads, n, head_dim] of positions `start .. start + n` of
+    /// the sequence whose blocks are `table`.
+    pub fn write(&mut self, table: &[u32], start: usize, keys: &Tensor, values: &Tensor) -> Result<()> {
         let n = keys.dim(1)?;
         let total = start + n;
         if table.len() * self.block_size < total {
@@ -91,11 +101,42 @@ impl LayerBlocks {
             block_values.slice_set(&values.narrow(1, written, run)?.contiguous()?, 1, offset)?;
             written += run;
         }
-        self.gather(table, total)
+        Ok(())
+    }
+
+    /// Calls `f` with the history of positions 0..total through `table`, read in place from a
+    /// CPU's f32 blocks: one [`HostBlock`] per block, in position order. None when the blocks
+    /// are on another device or in another dtype.
+    pub fn host_history<R>(&self, table: &[u32], total: usize, f: impl FnOnce(&[HostBlock<'_>]) -> R) -> Result<Option<R>> {
+        let used = total.div_ceil(self.block_size);
+        if table.len() < used {
+            bail!("the block table covers {} positions, not {total}", table.len() * self.block_size);
+        }
+        let mut guards = Vec::with_capacity(used);
+        for &id in &table[..used] {
+            let Some((k, v)) = self.blocks.get(id as usize).and_then(Option::as_ref) else {
+                bail!("block {id} is in a block table but was never written");
+            };
+            if k.dtype() != DType::F32 || !k.device().is_cpu() {
+                return Ok(None);
+            }
+            guards.push((k.storage_and_layout(), v.storage_and_layout()));
+        }
+        let mut history = Vec::with_capacity(used);
+        for (i, ((k, k_layout), (v, v_layout))) in guards.iter().enumerate() {
+            let (Storage::Cpu(k), Storage::Cpu(v)) = (&**k, &**v) else { return Ok(None) };
+            // Blocks are allocated whole and contiguous (`block`): their elements are the
+            // storage's from the layout's offset.
+            let k = &k.as_slice::<f32>()?[k_layout.start_offset()..k_layout.start_offset() + k_layout.shape().elem_count()];
+            let v = &v.as_slice::<f32>()?[v_layout.start_offset()..v_layout.start_offset() + v_layout.shape().elem_count()];
+            let positions = if i + 1 == used { total - i * self.block_size } else { self.block_size };
+            history.push(HostBlock { keys_t: k, values: v, positions });
+        }
+        Ok(Some(f(&history)))
     }
 
     /// The history of positions 0..total through `table`, in one copy.
-    fn gather(&self, table: &[u32], total: usize) -> Result<(Tensor, Tensor)> {
+    pub fn gather(&self, table: &[u32], total: usize) -> Result<(Tensor, Tensor)> {
         let used = total.div_ceil(self.block_size);
         let tail = total - (used - 1) * self.block_size;
         let mut keys = Vec::with_capacity(used);
@@ -134,6 +175,16 @@ impl LayerBlocks {
             None => bail!("block {id} was not allocated"),
         }
     }
+}
+
+/// One cache block of a sequence's history, read in place on a CPU.
+pub struct HostBlock<'a> {
+    /// [kv_heads, head_dim, block_size], row-major
+    pub keys_t: &'a [f32],
+    /// [kv_heads, block_size, head_dim], row-major
+    pub values: &'a [f32],
+    /// how many of the block's positions belong to the history (all but in the last block)
+    pub positions: usize,
 }
 
 /// The block table `first, first + 1, ...` for `positions` positions: for drivers that run
