@@ -10,8 +10,9 @@
 //!
 //! with `q` unsigned (0..15, 0..31) so that AVX2's `vpmaddubsw` (u8 x i8) applies directly
 //! (Q8_0 through the sign trick), or AVX-512 VNNI's `vpdpbusd` where the CPU has it.
-//! K-quants (Q2_K..Q6_K) go through candle's dot products against Q8_K activations (candle
-//! picks its AVX2 code at run time); the portable path uses its scalar reference.
+//! Q4_K, Q5_K and Q6_K go through [`super::kquant`]'s kernels against Q8_K activations (256
+//! values a block); Q2_K and Q3_K through candle's dot products (candle picks its AVX2 code at
+//! run time), the portable path through candle's scalar reference.
 //!
 //! Weight rows are split across the rayon pool; each row is read once and dotted with every
 //! row of `x` while it is in L1. [`Path::selected`] is the one place a path is chosen.
@@ -19,10 +20,11 @@
 use std::sync::OnceLock;
 
 use candle_core::quantized::GgmlDType;
-use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
+use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ8K, GgmlType};
 use rayon::prelude::*;
 
 use super::formats::{is_k_quant, row_bytes, with_blocks};
+use super::kquant::{self, ActQ8K, quantize_act_k};
 use crate::cpu_matmul::Isa;
 
 /// Weight rows per parallel task.
@@ -154,7 +156,10 @@ pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
 /// Activations of the rows of `x`, in the form the weight format multiplies with.
 enum Acts {
     Q8(Vec<ActQ8>),
+    /// candle's Q8_K blocks (Q2_K, Q3_K)
     Q8K(Vec<Vec<BlockQ8K>>),
+    /// our Q8_K activations (Q4_K, Q5_K, Q6_K)
+    K(Vec<ActQ8K>),
 }
 
 /// `x [m, k] @ w.T` for `w` `[n, k]` in `dtype` blocks (row-major bytes): returns `[m, n]`.
@@ -163,7 +168,9 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     let rb = row_bytes(dtype, k);
     assert_eq!(w.len(), n * rb, "weight bytes do not match [{n}, {k}] of {dtype:?}");
     assert_eq!(x.len(), m * k);
-    let acts = if is_k_quant(dtype) {
+    let acts = if kquant::has_kernel(dtype) {
+        Acts::K(x.chunks_exact(k).map(quantize_act_k).collect())
+    } else if is_k_quant(dtype) {
         Acts::Q8K(
             x.chunks_exact(k)
                 .map(|row| {
@@ -184,6 +191,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
         match &acts {
             Acts::Q8(acts) => rows_q8(out, w_rows, rb, acts, dtype, path),
             Acts::Q8K(acts) => rows_q8k(out, w_rows, rb, acts, dtype, k, path),
+            Acts::K(acts) => kquant::rows(out, w_rows, rb, acts, dtype, path),
         }
     });
     if m == 1 {
@@ -245,10 +253,7 @@ fn rows_q8k(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[Vec<BlockQ8K>], d
     match dtype {
         GgmlDType::Q2K => run::<BlockQ2K>(out, w_rows, rb, acts, k, portable),
         GgmlDType::Q3K => run::<BlockQ3K>(out, w_rows, rb, acts, k, portable),
-        GgmlDType::Q4K => run::<BlockQ4K>(out, w_rows, rb, acts, k, portable),
-        GgmlDType::Q5K => run::<BlockQ5K>(out, w_rows, rb, acts, k, portable),
-        GgmlDType::Q6K => run::<BlockQ6K>(out, w_rows, rb, acts, k, portable),
-        other => panic!("{other:?} is not a K-quant"),
+        other => panic!("{other:?} is not a K-quant without a kernel of its own (matmul routes the others)"),
     }
 }
 
@@ -315,7 +320,7 @@ pub(crate) mod x86 {
     const Q8_0: u8 = 4;
 
     /// `$body::<$vnni, F>($args)` with `F` the format constant of `dtype`. Only 32-value block
-    /// formats reach here: `matmul` sends K-quants to candle's dot products, and a `QMatrix`
+    /// formats reach here: `matmul` sends K-quants to `kquant` or candle, and a `QMatrix`
     /// holds only the formats `formats::supported` admits.
     macro_rules! by_format {
         ($dtype:expr, $body:ident::<$vnni:tt>($($arg:expr),*)) => {

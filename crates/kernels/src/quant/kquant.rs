@@ -1,0 +1,551 @@
+//! Integer dot products of K-quant weight rows (Q4_K, Q5_K, Q6_K) with 8-bit activations.
+//!
+//! As llama.cpp's `ggml_vec_dot_q{4,5,6}_K_q8_K`, each activation row is quantized per
+//! 256-value block to one f32 scale and 256 signed bytes, with the sums of its sixteen 16-value
+//! groups (`bsums`, [`quantize_act_k`]). A weight block is `d * sc_j * q - dmin * m_j` for its
+//! eight 32-value sub-blocks (Q4_K: 4-bit q; Q5_K: 5-bit q; both with 6-bit `sc_j`, `m_j`), or
+//! `d * s_g * (q - 32)` for its sixteen 16-value groups (Q6_K: 6-bit q, signed 8-bit `s_g`), so
+//! a block's product is integer sums scaled by two floats:
+//!
+//! - Q4_K / Q5_K: `d_w d_x sum(sc_j q x) - dmin_w d_x sum(m_j bsum_j)`
+//! - Q6_K:        `d_w d_x (sum(s_g q x) - 32 sum(s_g bsum_g))`
+//!
+//! The integer sums are kept in eight i32 lanes, the lanes of a 256-bit register on AVX2, and
+//! the lanes are defined once for every path ([`block_lanes`]): lane `l` holds the products of
+//! bytes `4l..4l+4` of every 32-value chunk (times their scale), which is what `vpmaddubsw`
+//! followed by `vpmaddwd` against the chunk's scales leaves there; the offset lanes hold, in
+//! lane `j`, the sums of the 16-value groups `2j` and `2j+1` (times their mins or scales), which
+//! is what `vpmaddwd` of the sixteen `bsums` leaves there. Integer sums are exact in any order,
+//! so per block and lane each path does the same float operations in the same order:
+//!
+//! ```text
+//! acc[l] = fma(Q[l], d_w * d_x, acc[l])          (Q6_K: Q[l] - 32 M[l])
+//! acc[l] = fma(-M[l], dmin_w * d_x, acc[l])      (Q4_K, Q5_K)
+//! result = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))
+//! ```
+//!
+//! Every SIMD path therefore equals [`dot_portable`] bit for bit, and since each activation row
+//! has its own accumulators, a row's result does not depend on the batch it is in. The batched
+//! SIMD body unpacks a weight block once for up to four activation rows.
+//!
+//! Q2_K and Q3_K have no kernels here; [`super::kernels`] sends them to candle's dot products.
+
+use candle_core::quantized::GgmlDType;
+
+use super::kernels::Path;
+
+/// Values per K-quant block.
+pub const QK_K: usize = 256;
+
+/// The K-quant formats with kernels here.
+pub fn has_kernel(dtype: GgmlDType) -> bool {
+    matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
+}
+
+/// One row of activations quantized per 256 values: a scale per block, the bytes, and the
+/// sums of each block's sixteen 16-value groups.
+pub struct ActQ8K {
+    pub d: Vec<f32>,
+    pub qs: Vec<i8>,
+    pub bsums: Vec<i16>,
+}
+
+/// Q8_K quantization of `x` (a multiple of 256 values), as GGML's `quantize_row_q8_K` and
+/// candle's `BlockQ8K::from_float` do it: the value of largest magnitude maps to -127.
+pub fn quantize_act_k(x: &[f32]) -> ActQ8K {
+    assert!(x.len().is_multiple_of(QK_K), "{} values are not whole 256-value blocks", x.len());
+    let blocks = x.len() / QK_K;
+    let mut act = ActQ8K { d: vec![0.0; blocks], qs: vec![0; x.len()], bsums: vec![0; blocks * 16] };
+    for (b, values) in x.chunks_exact(QK_K).enumerate() {
+        let (mut max, mut amax) = (0f32, 0f32);
+        for &v in values {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            continue;
+        }
+        let iscale = -127.0 / max;
+        let qs = &mut act.qs[b * QK_K..(b + 1) * QK_K];
+        for (q, v) in qs.iter_mut().zip(values) {
+            *q = (iscale * v).round().clamp(-128.0, 127.0) as i8;
+        }
+        for (g, sum) in act.bsums[b * 16..(b + 1) * 16].iter_mut().enumerate() {
+            *sum = qs[16 * g..16 * (g + 1)].iter().map(|&q| q as i16).sum();
+        }
+        act.d[b] = 1.0 / iscale;
+    }
+    act
+}
+
+/// Bytes of a block: Q4_K, Q5_K, Q6_K.
+const fn block_bytes(f: u8) -> usize {
+    match f {
+        Q4K => 144,
+        Q5K => 176,
+        _ => 210,
+    }
+}
+
+const Q4K: u8 = 0;
+const Q5K: u8 = 1;
+const Q6K: u8 = 2;
+
+fn format_of(dtype: GgmlDType) -> u8 {
+    match dtype {
+        GgmlDType::Q4K => Q4K,
+        GgmlDType::Q5K => Q5K,
+        GgmlDType::Q6K => Q6K,
+        other => panic!("{other:?} has no K-quant kernel here (see has_kernel)"),
+    }
+}
+
+/// The eight 6-bit scales and eight 6-bit mins packed in the 12 scale bytes of a Q4_K / Q5_K
+/// block (GGML's `get_scale_min_k4`, four at a time), each as eight bytes of a little-endian u64.
+#[inline(always)]
+fn scales_mins(s: &[u8; 12]) -> (u64, u64) {
+    let u0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let u1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
+    let u2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+    // sub-blocks 0..4: the low six bits of bytes 0..4 (scales) and 4..8 (mins); sub-blocks
+    // 4..8: the nibbles of bytes 8..12 with the top two bits of bytes 0..4 / 4..8 above them.
+    let scales_lo = u0 & 0x3f3f_3f3f;
+    let scales_hi = (u2 & 0x0f0f_0f0f) | ((u0 >> 6) & 0x0303_0303) << 4;
+    let mins_lo = u1 & 0x3f3f_3f3f;
+    let mins_hi = ((u2 >> 4) & 0x0f0f_0f0f) | ((u1 >> 6) & 0x0303_0303) << 4;
+    (scales_lo as u64 | (scales_hi as u64) << 32, mins_lo as u64 | (mins_hi as u64) << 32)
+}
+
+fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    half::f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+/// The integer lanes of one weight block against one activation block (see the module
+/// documentation): `(Q, M)`, with Q6_K's offset already in `Q` (`M` zero), and the block's
+/// `d`, `dmin` (0 for Q6_K).
+fn block_lanes(f: u8, blk: &[u8], x: &[i8], bsums: &[i16]) -> ([i32; 8], [i32; 8], f32, f32) {
+    let mut q = [0i32; 8];
+    let mut m = [0i32; 8];
+    match f {
+        Q4K | Q5K => {
+            let (sc, mn) = scales_mins(blk[4..16].try_into().expect("12 scale bytes"));
+            let (sc, mn) = (sc.to_le_bytes(), mn.to_le_bytes());
+            let qs = if f == Q4K { &blk[16..144] } else { &blk[48..176] };
+            for v in 0..QK_K {
+                let (c, t) = (v / 32, v % 32);
+                let byte = qs[32 * (c / 2) + t];
+                let mut value = if c % 2 == 0 { byte & 15 } else { byte >> 4 } as i32;
+                if f == Q5K {
+                    value |= ((blk[16 + t] >> c) as i32 & 1) << 4;
+                }
+                q[t / 4] += sc[c] as i32 * value * x[v] as i32;
+            }
+            for j in 0..8 {
+                m[j] = mn[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
+            }
+            (q, m, f16_at(blk, 0), f16_at(blk, 2))
+        }
+        _ => {
+            let (ql, qh, s) = (&blk[0..128], &blk[128..192], &blk[192..208]);
+            let s = |g: usize| s[g] as i8 as i32;
+            for v in 0..QK_K {
+                // value 128h + 32t + l: low bits from ql[64h + 32(t % 2) + l] (low nibble for
+                // t < 2), high bits 2t..2t+2 of qh[32h + l]
+                let (h, t, l) = (v / 128, (v % 128) / 32, v % 32);
+                let byte = ql[64 * h + 32 * (t % 2) + l];
+                let low = if t < 2 { byte & 15 } else { byte >> 4 };
+                let value = (low | ((qh[32 * h + l] >> (2 * t)) & 3) << 4) as i32;
+                q[l / 4] += s(v / 16) * value * x[v] as i32;
+            }
+            for j in 0..8 {
+                q[j] -= 32 * (s(2 * j) * bsums[2 * j] as i32 + s(2 * j + 1) * bsums[2 * j + 1] as i32);
+            }
+            (q, m, f16_at(blk, 208), 0.0)
+        }
+    }
+}
+
+/// The eight accumulators summed in the order of the SIMD paths' horizontal sum.
+fn hsum(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+/// Scalar reference of one weight row of `dtype` (Q4_K, Q5_K, Q6_K) against one activation row.
+pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8K) -> f32 {
+    let f = format_of(dtype);
+    let ts = block_bytes(f);
+    assert_eq!(row.len(), act.d.len() * ts, "a weight row of {dtype:?} against {} activation blocks", act.d.len());
+    let mut acc = [0f32; 8];
+    for (b, blk) in row.chunks_exact(ts).enumerate() {
+        let x = &act.qs[b * QK_K..(b + 1) * QK_K];
+        let (q, m, d, dmin) = block_lanes(f, blk, x, &act.bsums[b * 16..(b + 1) * 16]);
+        let (dq, dm) = (d * act.d[b], dmin * act.d[b]);
+        for l in 0..8 {
+            acc[l] = (q[l] as f32).mul_add(dq, acc[l]);
+            if f != Q6K {
+                acc[l] = (-(m[l] as f32)).mul_add(dm, acc[l]);
+            }
+        }
+    }
+    hsum(acc)
+}
+
+/// `out[i]` = weight row `row` of `dtype` dotted with `acts[i]`, for 1 to 4 activation rows: the
+/// one place a path is taken for these formats.
+fn dot_rows(path: Path, dtype: GgmlDType, row: &[u8], acts: &[ActQ8K], out: &mut [f32]) {
+    let blocks = row.len() / block_bytes(format_of(dtype));
+    assert!((1..=4).contains(&acts.len()) && acts.len() == out.len());
+    assert_eq!(row.len(), blocks * block_bytes(format_of(dtype)));
+    assert!(acts.iter().all(|a| a.d.len() == blocks && a.qs.len() == blocks * QK_K && a.bsums.len() == blocks * 16));
+    match path {
+        Path::Portable => {
+            for (o, act) in out.iter_mut().zip(acts) {
+                *o = dot_portable(dtype, row, act);
+            }
+        }
+        // The VNNI path runs the AVX2 body: `vpdpbusd` would replace only the
+        // `vpmaddubsw` + `vpmaddwd` pairs, and the CPU this was written on has no AVX-512 to
+        // test a VNNI body on. The integer lanes, hence the results, would be the same.
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `kernels::matmul` asserted the CPU has this path, which includes AVX2, FMA
+        // and F16C; the row holds `blocks` whole blocks of `dtype` and every activation row
+        // `blocks` blocks (asserted above).
+        Path::Avx2 | Path::Avx512Vnni => unsafe { x86::dot_avx2(format_of(dtype), row.as_ptr(), blocks, acts, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => {
+            for (o, act) in out.iter_mut().zip(acts) {
+                *o = dot_portable(dtype, row, act);
+            }
+        }
+    }
+}
+
+/// `out[r * m + i]` = weight row r of `w_rows` (rows of `rb` bytes of `dtype`) dotted with
+/// activation row i (`m = acts.len()`). Each weight block is unpacked once for up to four
+/// activation rows.
+pub fn rows(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8K], dtype: GgmlDType, path: Path) {
+    let m = acts.len();
+    if m == 0 {
+        return;
+    }
+    for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
+        let mut done = 0;
+        while done < m {
+            let take = (m - done).min(4);
+            dot_rows(path, dtype, row, &acts[done..done + take], &mut out[done..done + take]);
+            done += take;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{ActQ8K, Q4K, Q5K, Q6K, QK_K, block_bytes, scales_mins};
+
+    /// An f16 at `p` (unaligned), widened.
+    #[inline(always)]
+    unsafe fn f16_at(p: *const u8) -> f32 {
+        // SAFETY: the caller passes a pointer to two readable bytes; F16C is enabled by every
+        // caller's target features.
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32))) }
+    }
+
+    /// A weight row (`blocks` blocks of format `f` at `row`) against 1 to 4 activation rows.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `row` points to `blocks` readable blocks of `f`; every
+    /// activation row holds `blocks` blocks (`d`, `qs`, `bsums`); `out.len() == acts.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_avx2(f: u8, row: *const u8, blocks: usize, acts: &[ActQ8K], out: &mut [f32]) {
+        macro_rules! rows_of {
+            ($f:expr) => {
+                // SAFETY: forwarded contract; each arm passes exactly its number of rows.
+                unsafe {
+                    match acts.len() {
+                        1 => out.copy_from_slice(&body::<{ $f }, 1>(row, blocks, [&acts[0]])),
+                        2 => out.copy_from_slice(&body::<{ $f }, 2>(row, blocks, [&acts[0], &acts[1]])),
+                        3 => out.copy_from_slice(&body::<{ $f }, 3>(row, blocks, [&acts[0], &acts[1], &acts[2]])),
+                        _ => out.copy_from_slice(&body::<{ $f }, 4>(row, blocks, [&acts[0], &acts[1], &acts[2], &acts[3]])),
+                    }
+                }
+            };
+        }
+        match f {
+            Q4K => rows_of!(Q4K),
+            Q5K => rows_of!(Q5K),
+            _ => rows_of!(Q6K),
+        }
+    }
+
+    /// 32 bytes, 0x10 where bit `c` of the byte is set, else 0.
+    #[inline(always)]
+    unsafe fn bit_to_16(qh: __m256i, c: u32) -> __m256i {
+        // SAFETY: AVX2 is enabled by every caller.
+        unsafe {
+            let mask = _mm256_set1_epi8((1u8 << c) as i8);
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mask), mask), _mm256_set1_epi8(0x10))
+        }
+    }
+
+    /// The shuffle that spreads i16 `i` (in each 128-bit half of a register) over that half's
+    /// eight i16: `lo` for the low half, `hi` for the high one.
+    #[inline(always)]
+    unsafe fn pick_i16(lo: usize, hi: usize) -> __m256i {
+        // SAFETY: AVX is enabled by every caller.
+        unsafe {
+            let at = |i: usize| ((2 * i + 1) << 8 | 2 * i) as i16;
+            _mm256_set_m128i(_mm_set1_epi16(at(hi)), _mm_set1_epi16(at(lo)))
+        }
+    }
+
+    /// The lanes of `w` (32 unsigned weight values, each below 64) times `x` (32 signed bytes),
+    /// four adjacent products a lane, times the i16 `scale` of the lane: `vpmaddubsw` (a pair is
+    /// at most 2 * 63 * 128 in magnitude, no i16 saturation) then `vpmaddwd`.
+    #[inline(always)]
+    unsafe fn scaled_dot(w: __m256i, x: *const i8, scale: __m256i) -> __m256i {
+        // SAFETY: the caller passes 32 readable bytes at `x`; AVX2 is enabled by every caller.
+        unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256(x.cast())), scale) }
+    }
+
+    /// `R` activation rows against one weight row, each with its own eight accumulators (the
+    /// lanes of [`super::dot_portable`]), each weight block unpacked once for all `R`.
+    ///
+    /// # Safety
+    /// As [`dot_avx2`], with `R` rows.
+    #[inline(always)]
+    unsafe fn body<const F: u8, const R: usize>(row: *const u8, blocks: usize, acts: [&ActQ8K; R]) -> [f32; R] {
+        let ts = block_bytes(F);
+        // SAFETY (whole block): AVX2, FMA and F16C are enabled by every caller; block b < blocks
+        // is in bounds of the row, and activation bytes b * 256 + 256, sums b * 16 + 16 and
+        // scale b of every row (the caller's contract); every load is unaligned.
+        unsafe {
+            let low4 = _mm256_set1_epi8(0x0F);
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..blocks {
+                let blk = row.add(b * ts);
+                let x = acts.map(|a| a.qs.as_ptr().add(b * QK_K));
+                let mut q = [_mm256_setzero_si256(); R];
+                if F == Q4K || F == Q5K {
+                    let (sc, mn) = scales_mins(&blk.add(4).cast::<[u8; 12]>().read_unaligned());
+                    // the eight scales as i16 in both halves; the mins as i16, each twice
+                    let scales = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64)));
+                    let mins = _mm_cvtsi64_si128(mn as i64);
+                    let mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+                    let qs = blk.add(if F == Q4K { 16 } else { 48 });
+                    let qh = if F == Q5K { _mm256_loadu_si256(blk.add(16).cast()) } else { _mm256_setzero_si256() };
+                    for p in 0..4 {
+                        // chunks 2p (low nibbles) and 2p + 1 (high nibbles)
+                        let bytes = _mm256_loadu_si256(qs.add(32 * p).cast());
+                        let mut lo = _mm256_and_si256(bytes, low4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+                        if F == Q5K {
+                            lo = _mm256_or_si256(lo, bit_to_16(qh, 2 * p as u32));
+                            hi = _mm256_or_si256(hi, bit_to_16(qh, 2 * p as u32 + 1));
+                        }
+                        let s_lo = _mm256_shuffle_epi8(scales, pick_i16(2 * p, 2 * p));
+                        let s_hi = _mm256_shuffle_epi8(scales, pick_i16(2 * p + 1, 2 * p + 1));
+                        for r in 0..R {
+                            let both = _mm256_add_epi32(scaled_dot(lo, x[r].add(64 * p), s_lo), scaled_dot(hi, x[r].add(64 * p + 32), s_hi));
+                            q[r] = _mm256_add_epi32(q[r], both);
+                        }
+                    }
+                    let (d, dmin) = (f16_at(blk), f16_at(blk.add(2)));
+                    for r in 0..R {
+                        let bsums = _mm256_loadu_si256(acts[r].bsums.as_ptr().add(16 * b).cast());
+                        let m = _mm256_madd_epi16(bsums, mins);
+                        let dx = *acts[r].d.get_unchecked(b);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[r]), _mm256_set1_ps(d * dx), acc[r]);
+                        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx), acc[r]);
+                    }
+                } else {
+                    let (ql, qh) = (blk, blk.add(128));
+                    // the sixteen scales as i16 (s0..s7 low half, s8..s15 high half), and each
+                    // half in both halves
+                    let s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192).cast()));
+                    for h in 0..2 {
+                        let sv = if h == 0 { _mm256_permute2x128_si256(s16, s16, 0x00) } else { _mm256_permute2x128_si256(s16, s16, 0x11) };
+                        let l0 = _mm256_loadu_si256(ql.add(64 * h).cast());
+                        let l1 = _mm256_loadu_si256(ql.add(64 * h + 32).cast());
+                        let hb = _mm256_loadu_si256(qh.add(32 * h).cast());
+                        let w = [
+                            _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)),
+                            _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, _mm256_set1_epi8(0x30))),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0xC0u8 as i8)), 2),
+                            ),
+                        ];
+                        for (t, w) in w.into_iter().enumerate() {
+                            // chunk 4h + t: groups 8h + 2t (lanes 0..4) and 8h + 2t + 1 (lanes 4..8)
+                            let s = _mm256_shuffle_epi8(sv, pick_i16(2 * t, 2 * t + 1));
+                            for r in 0..R {
+                                q[r] = _mm256_add_epi32(q[r], scaled_dot(w, x[r].add(128 * h + 32 * t), s));
+                            }
+                        }
+                    }
+                    let d = f16_at(blk.add(208));
+                    for r in 0..R {
+                        let bsums = _mm256_loadu_si256(acts[r].bsums.as_ptr().add(16 * b).cast());
+                        let lanes = _mm256_sub_epi32(q[r], _mm256_slli_epi32(_mm256_madd_epi16(bsums, s16), 5));
+                        let dx = *acts[r].d.get_unchecked(b);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc[r]);
+                    }
+                }
+            }
+            let mut out = [0f32; R];
+            for r in 0..R {
+                // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), as `super::hsum`
+                let half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+                let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+                out[r] = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+            }
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::k_quants::{BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
+
+    use super::super::formats::{Sliced, dequantize, quantize_matrix, row_bytes, with_blocks};
+    use super::super::kernels::matmul;
+    use super::*;
+    use crate::test_values::values;
+
+    const FORMATS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+
+    fn blocks(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let Sliced::Blocks { bytes, dtype: held, .. } = quantize_matrix(dtype, rows, cols, values(rows * cols, seed)) else { panic!() };
+        assert_eq!(held, dtype);
+        bytes
+    }
+
+    fn paths() -> Vec<Path> {
+        Path::ALL.into_iter().filter(|p| p.available()).collect()
+    }
+
+    /// Every format on every path this CPU has, several 256-blocks and odd n (not a multiple of
+    /// 4 nor of the 32-row task), against an f32 product of the dequantized weights and the
+    /// unquantized activations. Tolerance: the activations' rounding is at most half a step
+    /// (amax / 254) a value, so its error is at most |w| * sqrt(k) * amax / 254, within
+    /// 0.01 |w| |x| for these inputs (uniform in [-1, 1): |x| is about sqrt(k / 3) amax).
+    #[test]
+    fn every_format_matches_the_dequantized_product_on_every_path() {
+        let mut ran = Vec::new();
+        for path in paths() {
+            ran.push(path);
+            for dtype in FORMATS {
+                for &(m, k, n) in &[(1, 256, 1), (1, 512, 37), (3, 768, 65), (9, 1280, 33), (5, 2048, 13), (16, 256, 70)] {
+                    let bytes = blocks(dtype, n, k, (m * k + n) as u64);
+                    let mut wd = vec![0f32; n * k];
+                    dequantize(dtype, &bytes, &mut wd);
+                    let x = values(m * k, 99 + k as u64);
+                    let got = matmul(&x, m, k, dtype, &bytes, n, path);
+                    for i in 0..m {
+                        let xi = &x[i * k..(i + 1) * k];
+                        let xnorm = xi.iter().map(|v| v * v).sum::<f32>().sqrt();
+                        for j in 0..n {
+                            let wrow = &wd[j * k..(j + 1) * k];
+                            let exact: f32 = wrow.iter().zip(xi).map(|(a, b)| a * b).sum();
+                            let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
+                            let g = got[i * n + j];
+                            assert!((g - exact).abs() <= 0.01 * wnorm * xnorm + 1e-4, "{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]: {g} vs {exact}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(ran.contains(&Path::Portable));
+        eprintln!("K-quant kernel paths tested on this CPU: {ran:?}");
+    }
+
+    /// Every SIMD path equals the portable reference bit for bit, on every format, for batches
+    /// of 1 to 9 rows; and every row of a batch equals that row multiplied alone, bit for bit.
+    #[test]
+    fn paths_and_batches_agree_bitwise() {
+        for dtype in FORMATS {
+            let (k, n) = (768, 37);
+            let bytes = blocks(dtype, n, k, 11);
+            for m in 1..=9 {
+                let x = values(m * k, 20 + m as u64);
+                let reference = matmul(&x, m, k, dtype, &bytes, n, Path::Portable);
+                for path in paths() {
+                    let got = matmul(&x, m, k, dtype, &bytes, n, path);
+                    for i in 0..m {
+                        let alone = matmul(&x[i * k..(i + 1) * k], 1, k, dtype, &bytes, n, path);
+                        for j in 0..n {
+                            let (g, want) = (got[i * n + j], reference[i * n + j]);
+                            assert_eq!(g.to_bits(), want.to_bits(), "{path:?} {dtype:?} m{m} [{i},{j}]: {g} vs portable {want}");
+                            assert_eq!(g.to_bits(), alone[j].to_bits(), "{path:?} {dtype:?} m{m} [{i},{j}]: batch {g} vs alone {}", alone[j]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The integer formulas and the activation quantization agree with candle's scalar
+    /// `vec_dot_unopt` against its own Q8_K activations, to float rounding (the sums differ only
+    /// in the order of float operations).
+    #[test]
+    fn the_reference_agrees_with_candles_scalar_dot_products() {
+        fn candle<T: GgmlType<VecDotType = BlockQ8K>>(row: &[u8], x: &[f32]) -> f32 {
+            let mut act: Vec<BlockQ8K> = (0..x.len() / QK_K).map(|_| BlockQ8K::zeros()).collect();
+            BlockQ8K::from_float(x, &mut act);
+            with_blocks::<T, _>(row, |blocks| T::vec_dot_unopt(x.len(), blocks, &act))
+        }
+        for dtype in FORMATS {
+            let (k, n) = (1024, 9);
+            let bytes = blocks(dtype, n, k, 3);
+            let rb = row_bytes(dtype, k);
+            let x = values(k, 4);
+            let act = quantize_act_k(&x);
+            for j in 0..n {
+                let row = &bytes[j * rb..(j + 1) * rb];
+                let ours = dot_portable(dtype, row, &act);
+                let theirs = match dtype {
+                    GgmlDType::Q4K => candle::<BlockQ4K>(row, &x),
+                    GgmlDType::Q5K => candle::<BlockQ5K>(row, &x),
+                    _ => candle::<BlockQ6K>(row, &x),
+                };
+                assert!((ours - theirs).abs() <= 1e-5 * (1.0 + theirs.abs()), "{dtype:?} row {j}: {ours} vs candle {theirs}");
+            }
+        }
+    }
+
+    /// Edge cases: an all-zero activation row gives zeros; extreme activations (a single
+    /// large value, so the others round to 0, and values of the largest magnitude in every
+    /// position) still match the dequantized product on every path and agree across paths.
+    #[test]
+    fn zero_and_extreme_activations() {
+        for dtype in FORMATS {
+            let (k, n) = (512, 6);
+            let bytes = blocks(dtype, n, k, 8);
+            let mut wd = vec![0f32; n * k];
+            dequantize(dtype, &bytes, &mut wd);
+            let mut spike = vec![1e-3f32; k];
+            spike[300] = -50.0;
+            let alternating: Vec<f32> = (0..k).map(|i| if i % 3 == 0 { 1.0 } else { -1.0 }).collect();
+            for x in [vec![0f32; k], spike, alternating] {
+                let reference = matmul(&x, 1, k, dtype, &bytes, n, Path::Portable);
+                let xnorm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
+                for path in paths() {
+                    let got = matmul(&x, 1, k, dtype, &bytes, n, path);
+                    for j in 0..n {
+                        assert_eq!(got[j].to_bits(), reference[j].to_bits(), "{path:?} {dtype:?} col {j}");
+                        let wrow = &wd[j * k..(j + 1) * k];
+                        let exact: f32 = wrow.iter().zip(&x).map(|(a, b)| a * b).sum();
+                        let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
+                        assert!((got[j] - exact).abs() <= 0.01 * wnorm * xnorm + 1e-4, "{path:?} {dtype:?} col {j}: {} vs {exact}", got[j]);
+                    }
+                }
+            }
+        }
+    }
+}
