@@ -19,10 +19,13 @@
 //! so per block and lane each path does the same float operations in the same order:
 //!
 //! ```text
-//! acc[l] = fma(Q[l], d_w * d_x, acc[l])          (Q6_K: Q[l] - 32 M[l])
-//! acc[l] = fma(-M[l], dmin_w * d_x, acc[l])      (Q4_K, Q5_K)
+//! acc[l] = acc[l] + Q[l] * (d_w * d_x)           (Q6_K: Q[l] - 32 M[l])
+//! acc[l] = acc[l] - M[l] * (dmin_w * d_x)        (Q4_K, Q5_K)
 //! result = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))
 //! ```
+//!
+//! (separate multiplies and adds, not fused: Rust never contracts them, and the portable path,
+//! compiled without FMA, would otherwise call libm's `fmaf` sixteen times a block).
 //!
 //! Every SIMD path therefore equals [`dot_portable`] bit for bit, and since each activation row
 //! has its own accumulators, a row's result does not depend on the batch it is in. The batched
@@ -133,14 +136,21 @@ fn block_lanes(f: u8, blk: &[u8], x: &[i8], bsums: &[i16]) -> ([i32; 8], [i32; 8
             let (sc, mn) = scales_mins(blk[4..16].try_into().expect("12 scale bytes"));
             let (sc, mn) = (sc.to_le_bytes(), mn.to_le_bytes());
             let qs = if f == Q4K { &blk[16..144] } else { &blk[48..176] };
-            for v in 0..QK_K {
-                let (c, t) = (v / 32, v % 32);
-                let byte = qs[32 * (c / 2) + t];
-                let mut value = if c % 2 == 0 { byte & 15 } else { byte >> 4 } as i32;
-                if f == Q5K {
-                    value |= ((blk[16 + t] >> c) as i32 & 1) << 4;
+            let qh = &blk[16..48];
+            for c in 0..8 {
+                // chunk c: the low (c even) or high nibbles of qs[32(c / 2)..], 5th bit c of qh
+                let (qs, shift, x) = (&qs[32 * (c / 2)..32 * (c / 2) + 32], 4 * (c % 2), &x[32 * c..32 * c + 32]);
+                for (l, lane) in q.iter_mut().enumerate() {
+                    let mut sum = 0i32;
+                    for t in 4 * l..4 * l + 4 {
+                        let mut value = (qs[t] >> shift) as i32 & 15;
+                        if f == Q5K {
+                            value |= ((qh[t] >> c) as i32 & 1) << 4;
+                        }
+                        sum += value * x[t] as i32;
+                    }
+                    *lane += sc[c] as i32 * sum;
                 }
-                q[t / 4] += sc[c] as i32 * value * x[v] as i32;
             }
             for j in 0..8 {
                 m[j] = mn[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
@@ -150,14 +160,23 @@ fn block_lanes(f: u8, blk: &[u8], x: &[i8], bsums: &[i16]) -> ([i32; 8], [i32; 8
         _ => {
             let (ql, qh, s) = (&blk[0..128], &blk[128..192], &blk[192..208]);
             let s = |g: usize| s[g] as i8 as i32;
-            for v in 0..QK_K {
-                // value 128h + 32t + l: low bits from ql[64h + 32(t % 2) + l] (low nibble for
-                // t < 2), high bits 2t..2t+2 of qh[32h + l]
-                let (h, t, l) = (v / 128, (v % 128) / 32, v % 32);
-                let byte = ql[64 * h + 32 * (t % 2) + l];
-                let low = if t < 2 { byte & 15 } else { byte >> 4 };
-                let value = (low | ((qh[32 * h + l] >> (2 * t)) & 3) << 4) as i32;
-                q[l / 4] += s(v / 16) * value * x[v] as i32;
+            for h in 0..2 {
+                for t in 0..4 {
+                    // chunk 4h + t, values 128h + 32t + i: low bits from ql[64h + 32(t % 2) + i]
+                    // (low nibbles for t < 2), high bits 2t, 2t + 1 of qh[32h + i]; scales of
+                    // groups 8h + 2t (lanes 0..4) and 8h + 2t + 1 (lanes 4..8)
+                    let ql = &ql[64 * h + 32 * (t % 2)..64 * h + 32 * (t % 2) + 32];
+                    let (qh, x) = (&qh[32 * h..32 * h + 32], &x[128 * h + 32 * t..128 * h + 32 * t + 32]);
+                    let shift = if t < 2 { 0 } else { 4 };
+                    for (l, lane) in q.iter_mut().enumerate() {
+                        let mut sum = 0i32;
+                        for i in 4 * l..4 * l + 4 {
+                            let value = ((ql[i] >> shift) & 15 | ((qh[i] >> (2 * t)) & 3) << 4) as i32;
+                            sum += value * x[i] as i32;
+                        }
+                        *lane += s(8 * h + 2 * t + l / 4) * sum;
+                    }
+                }
             }
             for j in 0..8 {
                 q[j] -= 32 * (s(2 * j) * bsums[2 * j] as i32 + s(2 * j + 1) * bsums[2 * j + 1] as i32);
@@ -183,9 +202,9 @@ pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8K) -> f32 {
         let (q, m, d, dmin) = block_lanes(f, blk, x, &act.bsums[b * 16..(b + 1) * 16]);
         let (dq, dm) = (d * act.d[b], dmin * act.d[b]);
         for l in 0..8 {
-            acc[l] = (q[l] as f32).mul_add(dq, acc[l]);
+            acc[l] += q[l] as f32 * dq;
             if f != Q6K {
-                acc[l] = (-(m[l] as f32)).mul_add(dm, acc[l]);
+                acc[l] -= m[l] as f32 * dm;
             }
         }
     }
@@ -358,8 +377,8 @@ mod x86 {
                         let bsums = _mm256_loadu_si256(acts[r].bsums.as_ptr().add(16 * b).cast());
                         let m = _mm256_madd_epi16(bsums, mins);
                         let dx = *acts[r].d.get_unchecked(b);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[r]), _mm256_set1_ps(d * dx), acc[r]);
-                        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx), acc[r]);
+                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(q[r]), _mm256_set1_ps(d * dx)));
+                        acc[r] = _mm256_sub_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx)));
                     }
                 } else {
                     let (ql, qh) = (blk, blk.add(128));
@@ -393,7 +412,7 @@ mod x86 {
                         let bsums = _mm256_loadu_si256(acts[r].bsums.as_ptr().add(16 * b).cast());
                         let lanes = _mm256_sub_epi32(q[r], _mm256_slli_epi32(_mm256_madd_epi16(bsums, s16), 5));
                         let dx = *acts[r].d.get_unchecked(b);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx), acc[r]);
+                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx)));
                     }
                 }
             }
