@@ -3,7 +3,7 @@
 //! streamed, for GGML's row layout (`rows`) and, for the 32-value block formats, the resident
 //! interleaved layout (`x8`), beside candle's quantized matmul (`QMatMul`, the baseline) on the
 //! same weights.
-//! The K-quants (Q4_K, Q5_K, Q6_K) follow on shapes whose rows are whole 256-value blocks,
+//! The K-quants (Q4_K, Q5_K, Q6_K, then Q2_K, Q3_K) follow on shapes whose rows are whole 256-value blocks,
 //! beside candle's `QMatMul` and candle's own `vec_dot` per row (what tpserve ran for them
 //! before `quant::kquant`, split over the rayon pool the same way).
 //! A figure, not a test.
@@ -12,7 +12,7 @@
 
 use std::time::Instant;
 
-use candle_core::quantized::k_quants::{BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
+use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rayon::prelude::*;
@@ -83,7 +83,7 @@ fn main() {
     // projection, Qwen3-0.6B's gate/up and down, a 2048-wide attention projection.
     let shapes = [(1536, 576), (1024, 3072), (3072, 1024), (2048, 2048)];
     for m in [1, 16] {
-        for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K, GgmlDType::Q2K, GgmlDType::Q3K] {
             for path in Path::ALL.into_iter().filter(|p| p.available()) {
                 let mut line = format!("{dtype:?} m={m:<2} {:>11} rows:", path.name());
                 for (k, n) in shapes {
@@ -169,6 +169,8 @@ fn candle_vec_dot(dtype: GgmlDType, x: &[f32], m: usize, k: usize, w: &[u8], n: 
         out_t
     }
     match dtype {
+        GgmlDType::Q2K => run::<BlockQ2K>(x, m, k, w, n),
+        GgmlDType::Q3K => run::<BlockQ3K>(x, m, k, w, n),
         GgmlDType::Q4K => run::<BlockQ4K>(x, m, k, w, n),
         GgmlDType::Q5K => run::<BlockQ5K>(x, m, k, w, n),
         _ => run::<BlockQ6K>(x, m, k, w, n),

@@ -1,26 +1,28 @@
-//! Integer dot products of K-quant weight rows (Q4_K, Q5_K, Q6_K) with 8-bit activations.
+//! Integer dot products of K-quant weight rows (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) with 8-bit
+//! activations.
 //!
-//! As llama.cpp's `ggml_vec_dot_q{4,5,6}_K_q8_K`, each activation row is quantized per
-//! 256-value block to one f32 scale and 256 signed bytes, with the sums of its sixteen 16-value
-//! groups (`bsums`, [`quantize_act_k`]). A weight block is `d * sc_j * q - dmin * m_j` for its
-//! eight 32-value sub-blocks (Q4_K: 4-bit q; Q5_K: 5-bit q; both with 6-bit `sc_j`, `m_j`), or
-//! `d * s_g * (q - 32)` for its sixteen 16-value groups (Q6_K: 6-bit q, signed 8-bit `s_g`), so
-//! a block's product is integer sums scaled by two floats:
+//! As llama.cpp's `ggml_vec_dot_q*_K_q8_K`, each activation row is quantized per 256-value
+//! block to one f32 scale and 256 signed bytes, with the sums of its sixteen 16-value groups
+//! (`bsums`, [`quantize_act_k`]). A weight block is `d * sc_j * q - dmin * m_j` for its eight
+//! 32-value sub-blocks (Q4_K: 4-bit q; Q5_K: 5-bit q; both with 6-bit `sc_j`, `m_j`), or for its
+//! sixteen 16-value groups `d * sc_g * q - dmin * m_g` (Q2_K: 2-bit q, 4-bit `sc_g`, `m_g`) or
+//! `d * s_g * (q - o)` (Q3_K: 3-bit q, o = 4, signed 6-bit `s_g`; Q6_K: 6-bit q, o = 32, signed
+//! 8-bit `s_g`), so a block's product is integer sums scaled by one or two floats:
 //!
-//! - Q4_K / Q5_K: `d_w d_x sum(sc_j q x) - dmin_w d_x sum(m_j bsum_j)`
-//! - Q6_K:        `d_w d_x (sum(s_g q x) - 32 sum(s_g bsum_g))`
+//! - Q2_K, Q4_K, Q5_K: `d_w d_x sum(sc q x) - dmin_w d_x sum(m bsum)`
+//! - Q3_K, Q6_K:       `d_w d_x (sum(s_g q x) - o sum(s_g bsum_g))`
 //!
 //! The integer sums are kept in eight i32 lanes, the lanes of a 256-bit register on AVX2, and
 //! the lanes are defined once for every path ([`block_lanes`]): lane `l` holds the products of
 //! bytes `4l..4l+4` of every 32-value chunk (times their scale), which is what `vpmaddubsw`
-//! followed by `vpmaddwd` against the chunk's scales leaves there; the offset lanes hold, in
+//! followed by `vpmaddwd` against the chunk's scales leaves there; the offset lanes `M` hold, in
 //! lane `j`, the sums of the 16-value groups `2j` and `2j+1` (times their mins or scales), which
 //! is what `vpmaddwd` of the sixteen `bsums` leaves there. Integer sums are exact in any order,
 //! so per block and lane each path does the same float operations in the same order:
 //!
 //! ```text
-//! acc[l] = acc[l] + Q[l] * (d_w * d_x)           (Q6_K: Q[l] - 32 M[l])
-//! acc[l] = acc[l] - M[l] * (dmin_w * d_x)        (Q4_K, Q5_K)
+//! acc[l] = acc[l] + Q[l] * (d_w * d_x)           (Q3_K, Q6_K: Q[l] - o M[l])
+//! acc[l] = acc[l] - M[l] * (dmin_w * d_x)        (Q2_K, Q4_K, Q5_K)
 //! result = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7))
 //! ```
 //!
@@ -30,8 +32,6 @@
 //! Every SIMD path therefore equals [`dot_portable`] bit for bit, and since each activation row
 //! has its own accumulators, a row's result does not depend on the batch it is in. The batched
 //! SIMD body unpacks a weight block once for up to four activation rows.
-//!
-//! Q2_K and Q3_K have no kernels here; [`super::kernels`] sends them to candle's dot products.
 
 use candle_core::quantized::GgmlDType;
 
@@ -40,9 +40,9 @@ use super::kernels::Path;
 /// Values per K-quant block.
 pub const QK_K: usize = 256;
 
-/// The K-quant formats with kernels here.
+/// The K-quant formats with kernels here (all five).
 pub fn has_kernel(dtype: GgmlDType) -> bool {
-    matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
+    matches!(dtype, GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
 }
 
 /// One row of activations quantized per 256 values: a scale per block, the bytes, and the
@@ -95,21 +95,32 @@ fn round_to_i8(v: f32) -> i8 {
     (t + (frac >= 0.5) as i32 - (frac <= -0.5) as i32) as i8
 }
 
-/// Bytes of a block: Q4_K, Q5_K, Q6_K.
+/// Bytes of a block of format `f`.
 const fn block_bytes(f: u8) -> usize {
     match f {
+        Q2K => 84,
+        Q3K => 110,
         Q4K => 144,
         Q5K => 176,
         _ => 210,
     }
 }
 
-const Q4K: u8 = 0;
-const Q5K: u8 = 1;
-const Q6K: u8 = 2;
+const Q2K: u8 = 0;
+const Q3K: u8 = 1;
+const Q4K: u8 = 2;
+const Q5K: u8 = 3;
+const Q6K: u8 = 4;
+
+/// The formats whose blocks have a `dmin` (a second float scale, for the mins).
+const fn has_mins(f: u8) -> bool {
+    matches!(f, Q2K | Q4K | Q5K)
+}
 
 fn format_of(dtype: GgmlDType) -> u8 {
     match dtype {
+        GgmlDType::Q2K => Q2K,
+        GgmlDType::Q3K => Q3K,
         GgmlDType::Q4K => Q4K,
         GgmlDType::Q5K => Q5K,
         GgmlDType::Q6K => Q6K,
@@ -133,13 +144,35 @@ fn scales_mins(s: &[u8; 12]) -> (u64, u64) {
     (scales_lo as u64 | (scales_hi as u64) << 32, mins_lo as u64 | (mins_hi as u64) << 32)
 }
 
+/// The sixteen 6-bit scales packed in the 12 scale bytes of a Q3_K block, less 32 (GGML's
+/// `kmask` unpacking): byte g is group g's signed scale.
+#[inline(always)]
+fn q3_scales(s: &[u8; 12]) -> [u8; 16] {
+    let a0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let a1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
+    let a2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+    // groups 0..8: the low nibbles of bytes 0..8, groups 8..16 their high nibbles; the top two
+    // bits of each from bytes 8..12 (pairs of bits 0-1, 2-3, 4-5, 6-7 for the four quarters)
+    let words = [
+        (a0 & 0x0f0f_0f0f) | (a2 & 0x0303_0303) << 4,
+        (a1 & 0x0f0f_0f0f) | ((a2 >> 2) & 0x0303_0303) << 4,
+        ((a0 >> 4) & 0x0f0f_0f0f) | ((a2 >> 4) & 0x0303_0303) << 4,
+        ((a1 >> 4) & 0x0f0f_0f0f) | ((a2 >> 6) & 0x0303_0303) << 4,
+    ];
+    let mut out = [0u8; 16];
+    for (w, o) in words.iter().zip(out.chunks_exact_mut(4)) {
+        o.copy_from_slice(&w.to_le_bytes());
+    }
+    out.map(|b| b.wrapping_sub(32))
+}
+
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
 }
 
 /// The integer lanes of one weight block against one activation block (see the module
-/// documentation): `(Q, M)`, with Q6_K's offset already in `Q` (`M` zero), and the block's
-/// `d`, `dmin` (0 for Q6_K).
+/// documentation): `(Q, M)`, with Q3_K's and Q6_K's offsets already in `Q` (`M` zero), and
+/// the block's `d`, `dmin` (0 for Q3_K, Q6_K).
 fn block_lanes(f: u8, blk: &[u8], x: &[i8], bsums: &[i16]) -> ([i32; 8], [i32; 8], f32, f32) {
     let mut q = [0i32; 8];
     let mut m = [0i32; 8];
@@ -168,6 +201,40 @@ fn block_lanes(f: u8, blk: &[u8], x: &[i8], bsums: &[i16]) -> ([i32; 8], [i32; 8
                 m[j] = mn[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
             }
             (q, m, f16_at(blk, 0), f16_at(blk, 2))
+        }
+        Q2K | Q3K => {
+            // chunk c = 4n + j: bits 2j, 2j + 1 of qs[32n + i] (Q3_K: and bit c of hmask[i] as
+            // the third); groups 2c (lanes 0..4) and 2c + 1 (lanes 4..8)
+            let (qs, hmask) = if f == Q2K { (&blk[16..80], &blk[0..0]) } else { (&blk[32..96], &blk[0..32]) };
+            let scales: [i32; 16] = if f == Q2K {
+                std::array::from_fn(|g| (blk[g] & 15) as i32)
+            } else {
+                q3_scales(blk[96..108].try_into().expect("12 scale bytes")).map(|s| s as i8 as i32)
+            };
+            for c in 0..8 {
+                let (n, j) = (c / 4, c % 4);
+                let (qs, x) = (&qs[32 * n..32 * n + 32], &x[32 * c..32 * c + 32]);
+                for (l, lane) in q.iter_mut().enumerate() {
+                    let mut sum = 0i32;
+                    for i in 4 * l..4 * l + 4 {
+                        let mut value = (qs[i] >> (2 * j)) as i32 & 3;
+                        if f == Q3K {
+                            value |= ((hmask[i] >> c) as i32 & 1) << 2;
+                        }
+                        sum += value * x[i] as i32;
+                    }
+                    *lane += scales[2 * c + l / 4] * sum;
+                }
+            }
+            for j in 0..8 {
+                let (b0, b1) = (bsums[2 * j] as i32, bsums[2 * j + 1] as i32);
+                if f == Q2K {
+                    m[j] = (blk[2 * j] >> 4) as i32 * b0 + (blk[2 * j + 1] >> 4) as i32 * b1;
+                } else {
+                    q[j] -= 4 * (scales[2 * j] * b0 + scales[2 * j + 1] * b1);
+                }
+            }
+            if f == Q2K { (q, m, f16_at(blk, 80), f16_at(blk, 82)) } else { (q, m, f16_at(blk, 108), 0.0) }
         }
         _ => {
             let (ql, qh, s) = (&blk[0..128], &blk[128..192], &blk[192..208]);
@@ -203,7 +270,7 @@ fn hsum(a: [f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
-/// Scalar reference of one weight row of `dtype` (Q4_K, Q5_K, Q6_K) against one activation row.
+/// Scalar reference of one weight row of `dtype` (a K-quant) against one activation row.
 pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8K) -> f32 {
     let f = format_of(dtype);
     let ts = block_bytes(f);
@@ -215,7 +282,7 @@ pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8K) -> f32 {
         let (dq, dm) = (d * act.d[b], dmin * act.d[b]);
         for l in 0..8 {
             acc[l] += q[l] as f32 * dq;
-            if f != Q6K {
+            if has_mins(f) {
                 acc[l] -= m[l] as f32 * dm;
             }
         }
@@ -275,7 +342,7 @@ pub fn rows(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8K], dtype: G
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{ActQ8K, Q4K, Q5K, Q6K, QK_K, block_bytes, scales_mins};
+    use super::{ActQ8K, Q2K, Q3K, Q4K, Q5K, Q6K, QK_K, block_bytes, q3_scales, scales_mins};
 
     /// An f16 at `p` (unaligned), widened.
     #[inline(always)]
@@ -306,20 +373,29 @@ mod x86 {
             };
         }
         match f {
+            Q2K => rows_of!(Q2K),
+            Q3K => rows_of!(Q3K),
             Q4K => rows_of!(Q4K),
             Q5K => rows_of!(Q5K),
             _ => rows_of!(Q6K),
         }
     }
 
-    /// 32 bytes, 0x10 where bit `c` of the byte is set, else 0.
+    /// 32 bytes, `value` where bit `c` of the byte is set, else 0.
     #[inline(always)]
-    unsafe fn bit_to_16(qh: __m256i, c: u32) -> __m256i {
+    unsafe fn bit_to(qh: __m256i, c: usize, value: i8) -> __m256i {
         // SAFETY: AVX2 is enabled by every caller.
         unsafe {
             let mask = _mm256_set1_epi8((1u8 << c) as i8);
-            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mask), mask), _mm256_set1_epi8(0x10))
+            _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, mask), mask), _mm256_set1_epi8(value))
         }
+    }
+
+    /// The 2-bit fields `2j, 2j + 1` of 32 bytes (`j` below 4).
+    #[inline(always)]
+    unsafe fn two_bits(q: __m256i, j: usize) -> __m256i {
+        // SAFETY: AVX2 is enabled by every caller.
+        unsafe { _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * j as i32)), _mm256_set1_epi8(3)) }
     }
 
     /// The shuffle that spreads i16 `i` (in each 128-bit half of a register) over that half's
@@ -374,8 +450,8 @@ mod x86 {
                         let mut lo = _mm256_and_si256(bytes, low4);
                         let mut hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
                         if F == Q5K {
-                            lo = _mm256_or_si256(lo, bit_to_16(qh, 2 * p as u32));
-                            hi = _mm256_or_si256(hi, bit_to_16(qh, 2 * p as u32 + 1));
+                            lo = _mm256_or_si256(lo, bit_to(qh, 2 * p, 0x10));
+                            hi = _mm256_or_si256(hi, bit_to(qh, 2 * p + 1, 0x10));
                         }
                         let s_lo = _mm256_shuffle_epi8(scales, pick_i16(2 * p, 2 * p));
                         let s_hi = _mm256_shuffle_epi8(scales, pick_i16(2 * p + 1, 2 * p + 1));
@@ -393,38 +469,78 @@ mod x86 {
                         acc[r] = _mm256_sub_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx)));
                     }
                 } else {
-                    let (ql, qh) = (blk, blk.add(128));
-                    // the sixteen scales as i16 (s0..s7 low half, s8..s15 high half), and each
-                    // half in both halves
-                    let s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192).cast()));
+                    // Q2_K, Q3_K, Q6_K: sixteen groups of 16 values with a scale each; chunk
+                    // 4h + t (values 128h + 32t..) is groups 8h + 2t (lanes 0..4) and 8h + 2t + 1
+                    // (lanes 4..8). The sixteen scales as i16 (s0..s7 in the low half, s8..s15 in
+                    // the high one), and Q2_K's sixteen mins.
+                    let (s16, m16) = match F {
+                        Q2K => {
+                            let packed = _mm_loadu_si128(blk.cast());
+                            let low = _mm_set1_epi8(0x0F);
+                            (_mm256_cvtepu8_epi16(_mm_and_si128(packed, low)), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low)))
+                        }
+                        Q3K => {
+                            let scales = q3_scales(&blk.add(96).cast::<[u8; 12]>().read_unaligned());
+                            (_mm256_cvtepi8_epi16(_mm_loadu_si128(scales.as_ptr().cast())), _mm256_setzero_si256())
+                        }
+                        _ => (_mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192).cast())), _mm256_setzero_si256()),
+                    };
+                    let hmask = if F == Q3K { _mm256_loadu_si256(blk.cast()) } else { _mm256_setzero_si256() };
                     for h in 0..2 {
                         let sv = if h == 0 { _mm256_permute2x128_si256(s16, s16, 0x00) } else { _mm256_permute2x128_si256(s16, s16, 0x11) };
-                        let l0 = _mm256_loadu_si256(ql.add(64 * h).cast());
-                        let l1 = _mm256_loadu_si256(ql.add(64 * h + 32).cast());
-                        let hb = _mm256_loadu_si256(qh.add(32 * h).cast());
-                        let w = [
-                            _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)),
-                            _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, _mm256_set1_epi8(0x30))),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0xC0u8 as i8)), 2),
-                            ),
-                        ];
+                        let w = if F == Q6K {
+                            // low bits from ql[64h + 32(t % 2)..] (low nibbles for t < 2), high
+                            // bits 2t, 2t + 1 of qh[32h..]
+                            let (ql, qh) = (blk, blk.add(128));
+                            let l0 = _mm256_loadu_si256(ql.add(64 * h).cast());
+                            let l1 = _mm256_loadu_si256(ql.add(64 * h + 32).cast());
+                            let hb = _mm256_loadu_si256(qh.add(32 * h).cast());
+                            [
+                                _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x03)), 4)),
+                                _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0x0C)), 2)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(hb, _mm256_set1_epi8(0x30))),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                    _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(0xC0u8 as i8)), 2),
+                                ),
+                            ]
+                        } else {
+                            // bits 2t, 2t + 1 of qs[32h..] (Q3_K: bit 4h + t of hmask as the third)
+                            let qs = _mm256_loadu_si256(blk.add(if F == Q2K { 16 } else { 32 } + 32 * h).cast());
+                            let mut w = [two_bits(qs, 0), two_bits(qs, 1), two_bits(qs, 2), two_bits(qs, 3)];
+                            if F == Q3K {
+                                for (t, w) in w.iter_mut().enumerate() {
+                                    *w = _mm256_or_si256(*w, bit_to(hmask, 4 * h + t, 0x04));
+                                }
+                            }
+                            w
+                        };
                         for (t, w) in w.into_iter().enumerate() {
-                            // chunk 4h + t: groups 8h + 2t (lanes 0..4) and 8h + 2t + 1 (lanes 4..8)
                             let s = _mm256_shuffle_epi8(sv, pick_i16(2 * t, 2 * t + 1));
                             for r in 0..R {
                                 q[r] = _mm256_add_epi32(q[r], scaled_dot(w, x[r].add(128 * h + 32 * t), s));
                             }
                         }
                     }
-                    let d = f16_at(blk.add(208));
+                    let (d, dmin) = match F {
+                        Q2K => (f16_at(blk.add(80)), f16_at(blk.add(82))),
+                        Q3K => (f16_at(blk.add(108)), 0.0),
+                        _ => (f16_at(blk.add(208)), 0.0),
+                    };
                     for r in 0..R {
                         let bsums = _mm256_loadu_si256(acts[r].bsums.as_ptr().add(16 * b).cast());
-                        let lanes = _mm256_sub_epi32(q[r], _mm256_slli_epi32(_mm256_madd_epi16(bsums, s16), 5));
                         let dx = *acts[r].d.get_unchecked(b);
-                        acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx)));
+                        if F == Q2K {
+                            let m = _mm256_madd_epi16(bsums, m16);
+                            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(q[r]), _mm256_set1_ps(d * dx)));
+                            acc[r] = _mm256_sub_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(dmin * dx)));
+                        } else {
+                            // the offset (32 or 4) times each group's scale and activation sum
+                            let offsets = _mm256_madd_epi16(bsums, s16);
+                            let offsets = if F == Q6K { _mm256_slli_epi32(offsets, 5) } else { _mm256_slli_epi32(offsets, 2) };
+                            let lanes = _mm256_sub_epi32(q[r], offsets);
+                            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(d * dx)));
+                        }
                     }
                 }
             }
@@ -442,14 +558,14 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::quantized::k_quants::{BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
+    use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
 
     use super::super::formats::{Sliced, dequantize, quantize_matrix, row_bytes, with_blocks};
     use super::super::kernels::matmul;
     use super::*;
     use crate::test_values::values;
 
-    const FORMATS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+    const FORMATS: [GgmlDType; 5] = [GgmlDType::Q2K, GgmlDType::Q3K, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
 
     fn blocks(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let Sliced::Blocks { bytes, dtype: held, .. } = quantize_matrix(dtype, rows, cols, values(rows * cols, seed)) else { panic!() };
@@ -541,6 +657,8 @@ mod tests {
                 let row = &bytes[j * rb..(j + 1) * rb];
                 let ours = dot_portable(dtype, row, &act);
                 let theirs = match dtype {
+                    GgmlDType::Q2K => candle::<BlockQ2K>(row, &x),
+                    GgmlDType::Q3K => candle::<BlockQ3K>(row, &x),
                     GgmlDType::Q4K => candle::<BlockQ4K>(row, &x),
                     GgmlDType::Q5K => candle::<BlockQ5K>(row, &x),
                     _ => candle::<BlockQ6K>(row, &x),
