@@ -144,26 +144,21 @@ fn scales_mins(s: &[u8; 12]) -> (u64, u64) {
     (scales_lo as u64 | (scales_hi as u64) << 32, mins_lo as u64 | (mins_hi as u64) << 32)
 }
 
-/// The sixteen 6-bit scales packed in the 12 scale bytes of a Q3_K block, less 32 (GGML's
-/// `kmask` unpacking): byte g is group g's signed scale.
+/// The sixteen 6-bit scales packed in the 12 scale bytes of a Q3_K block (GGML's `kmask`
+/// unpacking), as the bytes of four little-endian words: byte g is group g's scale plus 32.
 #[inline(always)]
-fn q3_scales(s: &[u8; 12]) -> [u8; 16] {
+fn q3_scales(s: &[u8; 12]) -> [u32; 4] {
     let a0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
     let a1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
     let a2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
     // groups 0..8: the low nibbles of bytes 0..8, groups 8..16 their high nibbles; the top two
     // bits of each from bytes 8..12 (pairs of bits 0-1, 2-3, 4-5, 6-7 for the four quarters)
-    let words = [
+    [
         (a0 & 0x0f0f_0f0f) | (a2 & 0x0303_0303) << 4,
         (a1 & 0x0f0f_0f0f) | ((a2 >> 2) & 0x0303_0303) << 4,
         ((a0 >> 4) & 0x0f0f_0f0f) | ((a2 >> 4) & 0x0303_0303) << 4,
         ((a1 >> 4) & 0x0f0f_0f0f) | ((a2 >> 6) & 0x0303_0303) << 4,
-    ];
-    let mut out = [0u8; 16];
-    for (w, o) in words.iter().zip(out.chunks_exact_mut(4)) {
-        o.copy_from_slice(&w.to_le_bytes());
-    }
-    out.map(|b| b.wrapping_sub(32))
+    ]
 }
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
@@ -209,7 +204,8 @@ fn block_lanes(f: u8, blk: &[u8], x: &[i8], bsums: &[i16]) -> ([i32; 8], [i32; 8
             let scales: [i32; 16] = if f == Q2K {
                 std::array::from_fn(|g| (blk[g] & 15) as i32)
             } else {
-                q3_scales(blk[96..108].try_into().expect("12 scale bytes")).map(|s| s as i8 as i32)
+                let words = q3_scales(blk[96..108].try_into().expect("12 scale bytes"));
+                std::array::from_fn(|g| (words[g / 4] >> (8 * (g % 4))) as u8 as i32 - 32)
             };
             for c in 0..8 {
                 let (n, j) = (c / 4, c % 4);
@@ -480,8 +476,9 @@ mod x86 {
                             (_mm256_cvtepu8_epi16(_mm_and_si128(packed, low)), _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), low)))
                         }
                         Q3K => {
-                            let scales = q3_scales(&blk.add(96).cast::<[u8; 12]>().read_unaligned());
-                            (_mm256_cvtepi8_epi16(_mm_loadu_si128(scales.as_ptr().cast())), _mm256_setzero_si256())
+                            let [w0, w1, w2, w3] = q3_scales(&blk.add(96).cast::<[u8; 12]>().read_unaligned());
+                            let biased = _mm_setr_epi32(w0 as i32, w1 as i32, w2 as i32, w3 as i32);
+                            (_mm256_cvtepi8_epi16(_mm_sub_epi8(biased, _mm_set1_epi8(32))), _mm256_setzero_si256())
                         }
                         _ => (_mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192).cast())), _mm256_setzero_si256()),
                     };
