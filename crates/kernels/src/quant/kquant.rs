@@ -286,17 +286,27 @@ pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8K) -> f32 {
     hsum(acc)
 }
 
-/// `out[i]` = weight row `row` of `dtype` dotted with `acts[i]`, for 1 to 4 activation rows: the
-/// one place a path is taken for these formats.
-fn dot_rows(path: Path, dtype: GgmlDType, row: &[u8], acts: &[ActQ8K], out: &mut [f32]) {
-    let blocks = row.len() / block_bytes(format_of(dtype));
-    assert!((1..=4).contains(&acts.len()) && acts.len() == out.len());
-    assert_eq!(row.len(), blocks * block_bytes(format_of(dtype)));
+/// `out[r * m + i]` = weight row r of `w_rows` (rows of `rb` bytes of `dtype`) dotted with
+/// activation row i (`m = acts.len()`): the one place a path is taken for these formats. The
+/// SIMD path unpacks each weight block once for up to four activation rows.
+pub fn rows(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8K], dtype: GgmlDType, path: Path) {
+    let m = acts.len();
+    let f = format_of(dtype);
+    let blocks = rb / block_bytes(f);
+    assert_eq!(rb, blocks * block_bytes(f), "{rb} bytes are not whole {dtype:?} blocks");
     assert!(acts.iter().all(|a| a.d.len() == blocks && a.qs.len() == blocks * QK_K && a.bsums.len() == blocks * 16));
+    if m == 0 || rb == 0 {
+        // no products, or empty ones (k = 0)
+        out.fill(0.0);
+        return;
+    }
+    assert!(w_rows.len().is_multiple_of(rb) && out.len() == w_rows.len() / rb * m);
     match path {
         Path::Portable => {
-            for (o, act) in out.iter_mut().zip(acts) {
-                *o = dot_portable(dtype, row, act);
+            for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
+                for (o, act) in out.iter_mut().zip(acts) {
+                    *o = dot_portable(dtype, row, act);
+                }
             }
         }
         // The VNNI path runs the AVX2 body: `vpdpbusd` would replace only the
@@ -304,32 +314,16 @@ fn dot_rows(path: Path, dtype: GgmlDType, row: &[u8], acts: &[ActQ8K], out: &mut
         // test a VNNI body on. The integer lanes, hence the results, would be the same.
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `kernels::matmul` asserted the CPU has this path, which includes AVX2, FMA
-        // and F16C; the row holds `blocks` whole blocks of `dtype` and every activation row
-        // `blocks` blocks (asserted above).
-        Path::Avx2 | Path::Avx512Vnni => unsafe { x86::dot_avx2(format_of(dtype), row.as_ptr(), blocks, acts, out) },
+        // and F16C; every weight row holds `blocks` whole blocks of `dtype`, every activation
+        // row `blocks` blocks, and `out` m values a weight row (asserted above).
+        Path::Avx2 | Path::Avx512Vnni => unsafe { x86::rows_avx2(f, w_rows, rb, blocks, acts, out) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => {
-            for (o, act) in out.iter_mut().zip(acts) {
-                *o = dot_portable(dtype, row, act);
+            for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
+                for (o, act) in out.iter_mut().zip(acts) {
+                    *o = dot_portable(dtype, row, act);
+                }
             }
-        }
-    }
-}
-
-/// `out[r * m + i]` = weight row r of `w_rows` (rows of `rb` bytes of `dtype`) dotted with
-/// activation row i (`m = acts.len()`). Each weight block is unpacked once for up to four
-/// activation rows.
-pub fn rows(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8K], dtype: GgmlDType, path: Path) {
-    let m = acts.len();
-    if m == 0 {
-        return;
-    }
-    for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
-        let mut done = 0;
-        while done < m {
-            let take = (m - done).min(4);
-            dot_rows(path, dtype, row, &acts[done..done + take], &mut out[done..done + take]);
-            done += take;
         }
     }
 }
@@ -348,32 +342,51 @@ mod x86 {
         unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32))) }
     }
 
-    /// A weight row (`blocks` blocks of format `f` at `row`) against 1 to 4 activation rows.
+    /// Weight rows (`rb` bytes each, `blocks` blocks of format `f`) against every activation
+    /// row: `out[r * m + i]`, four activation rows at a time, then the one to three left.
     ///
     /// # Safety
-    /// The CPU has AVX2, FMA and F16C; `row` points to `blocks` readable blocks of `f`; every
-    /// activation row holds `blocks` blocks (`d`, `qs`, `bsums`); `out.len() == acts.len()`.
+    /// The CPU has AVX2, FMA and F16C; `rb == blocks * block_bytes(f)`; every activation row
+    /// holds `blocks` blocks (`d`, `qs`, `bsums`); `out` holds `acts.len()` values a weight row.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_avx2(f: u8, row: *const u8, blocks: usize, acts: &[ActQ8K], out: &mut [f32]) {
-        macro_rules! rows_of {
-            ($f:expr) => {
-                // SAFETY: forwarded contract; each arm passes exactly its number of rows.
-                unsafe {
-                    match acts.len() {
-                        1 => out.copy_from_slice(&body::<{ $f }, 1>(row, blocks, [&acts[0]])),
-                        2 => out.copy_from_slice(&body::<{ $f }, 2>(row, blocks, [&acts[0], &acts[1]])),
-                        3 => out.copy_from_slice(&body::<{ $f }, 3>(row, blocks, [&acts[0], &acts[1], &acts[2]])),
-                        _ => out.copy_from_slice(&body::<{ $f }, 4>(row, blocks, [&acts[0], &acts[1], &acts[2], &acts[3]])),
-                    }
-                }
-            };
+    pub unsafe fn rows_avx2(f: u8, w_rows: &[u8], rb: usize, blocks: usize, acts: &[ActQ8K], out: &mut [f32]) {
+        // SAFETY: forwarded contract.
+        unsafe {
+            match f {
+                Q2K => rows_of::<Q2K>(w_rows, rb, blocks, acts, out),
+                Q3K => rows_of::<Q3K>(w_rows, rb, blocks, acts, out),
+                Q4K => rows_of::<Q4K>(w_rows, rb, blocks, acts, out),
+                Q5K => rows_of::<Q5K>(w_rows, rb, blocks, acts, out),
+                _ => rows_of::<Q6K>(w_rows, rb, blocks, acts, out),
+            }
         }
-        match f {
-            Q2K => rows_of!(Q2K),
-            Q3K => rows_of!(Q3K),
-            Q4K => rows_of!(Q4K),
-            Q5K => rows_of!(Q5K),
-            _ => rows_of!(Q6K),
+    }
+
+    /// [`rows_avx2`] for format `F`.
+    ///
+    /// # Safety
+    /// As [`rows_avx2`].
+    #[inline(always)]
+    unsafe fn rows_of<const F: u8>(w_rows: &[u8], rb: usize, blocks: usize, acts: &[ActQ8K], out: &mut [f32]) {
+        let m = acts.len();
+        for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
+            let p = row.as_ptr();
+            let mut done = 0;
+            // SAFETY (whole loop): forwarded contract; each call passes exactly its number of
+            // rows, all below m.
+            unsafe {
+                while done + 4 <= m {
+                    let four = body::<F, 4>(p, blocks, [&acts[done], &acts[done + 1], &acts[done + 2], &acts[done + 3]]);
+                    out[done..done + 4].copy_from_slice(&four);
+                    done += 4;
+                }
+                match m - done {
+                    1 => out[done] = body::<F, 1>(p, blocks, [&acts[done]])[0],
+                    2 => out[done..].copy_from_slice(&body::<F, 2>(p, blocks, [&acts[done], &acts[done + 1]])),
+                    3 => out[done..].copy_from_slice(&body::<F, 3>(p, blocks, [&acts[done], &acts[done + 1], &acts[done + 2]])),
+                    _ => {}
+                }
+            }
         }
     }
 
@@ -418,7 +431,7 @@ mod x86 {
     /// lanes of [`super::dot_portable`]), each weight block unpacked once for all `R`.
     ///
     /// # Safety
-    /// As [`dot_avx2`], with `R` rows.
+    /// As [`rows_avx2`], for one weight row at `row` and `R` activation rows.
     #[inline(always)]
     unsafe fn body<const F: u8, const R: usize>(row: *const u8, blocks: usize, acts: [&ActQ8K; R]) -> [f32; R] {
         let ts = block_bytes(F);
