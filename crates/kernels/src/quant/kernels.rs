@@ -558,7 +558,7 @@ pub(crate) mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::formats::{Sliced, dequantize, quantize_matrix};
+    use super::super::formats::{Sliced, dequantize, is_k_quant, quantize_matrix};
     use super::*;
     use crate::test_values::values;
 
@@ -572,7 +572,7 @@ mod tests {
         for path in Path::ALL.into_iter().filter(|p| p.available()) {
             ran.push(path);
             for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
-                let shapes: &[(usize, usize, usize)] = if super::super::formats::is_k_quant(dtype) {
+                let shapes: &[(usize, usize, usize)] = if is_k_quant(dtype) {
                     &[(1, 256, 1), (1, 512, 37), (3, 768, 65), (9, 256, 33)]
                 } else {
                     &[(1, 32, 1), (1, 96, 37), (3, 576, 65), (9, 1536, 33), (2, 32, 70), (16, 64, 9), (4, 32, 3)]
@@ -595,7 +595,7 @@ mod tests {
                             // activation rounding: at most half a step (amax/254) per value
                             let tol = 0.01 * wnorm * xnorm + 1e-4;
                             assert!((g - exact).abs() <= tol, "{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]: {g} vs {exact}");
-                            if !super::super::formats::is_k_quant(dtype) {
+                            if !is_k_quant(dtype) {
                                 let reference = dot_portable(dtype, &bytes[j * row_bytes(dtype, k)..(j + 1) * row_bytes(dtype, k)], &act);
                                 assert!((g - reference).abs() <= 1e-4 * (1.0 + reference.abs()), "{path:?} {dtype:?} [{i},{j}]: {g} vs integer reference {reference}");
                             }

@@ -84,9 +84,9 @@ pub fn quantize_act_k(x: &[f32]) -> ActQ8K {
 }
 
 /// `v.round().clamp(-128.0, 127.0) as i8` (half away from zero) without a call: `f32::round`
-/// is libm's `roundf` on x86-64's baseline, a call per value that cost a decode step's
-/// quantization about as much as a small product. Clamping first gives the same integer (the
-/// bounds are integers), `v - trunc(v)` is exact, and NaN becomes 0 as before.
+/// is libm's `roundf` on x86-64's baseline, a call per activation value. Clamping first gives
+/// the same integer (the bounds are integers), `v - trunc(v)` is exact, and NaN becomes 0 as
+/// before.
 #[inline(always)]
 fn round_to_i8(v: f32) -> i8 {
     let v = v.clamp(-128.0, 127.0);
