@@ -10,8 +10,8 @@
 //!
 //! with `q` unsigned (0..15, 0..31) so that AVX2's `vpmaddubsw` (u8 x i8) applies directly
 //! (Q8_0 through the sign trick), or AVX-512 VNNI's `vpdpbusd` where the CPU has it.
-//! K-quants (Q2_K..Q6_K) go through candle's dot products against Q8_K activations (candle
-//! picks its AVX2 code at run time); the portable path uses its scalar reference.
+//! The K-quants (Q2_K..Q6_K) go through [`super::kquant`]'s kernels against Q8_K activations
+//! (256 values a block).
 //!
 //! Weight rows are split across the rayon pool; each row is read once and dotted with every
 //! row of `x` while it is in L1. [`Path::selected`] is the one place a path is chosen.
@@ -19,10 +19,10 @@
 use std::sync::OnceLock;
 
 use candle_core::quantized::GgmlDType;
-use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
 use rayon::prelude::*;
 
-use super::formats::{is_k_quant, row_bytes, with_blocks};
+use super::formats::row_bytes;
+use super::kquant::{self, ActQ8K, quantize_act_k};
 use crate::cpu_matmul::Isa;
 
 /// Weight rows per parallel task.
@@ -32,7 +32,7 @@ const QK: usize = 32;
 /// The instruction-set paths of the quantized kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Path {
-    /// Plain Rust integer arithmetic (and candle's scalar K-quant dot products).
+    /// Plain Rust integer arithmetic (the scalar references).
     Portable,
     /// AVX2 + FMA + F16C: `vpmaddubsw` / `vpmaddwd`.
     Avx2,
@@ -154,7 +154,8 @@ pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
 /// Activations of the rows of `x`, in the form the weight format multiplies with.
 enum Acts {
     Q8(Vec<ActQ8>),
-    Q8K(Vec<Vec<BlockQ8K>>),
+    /// Q8_K activations (the K-quants)
+    K(Vec<ActQ8K>),
 }
 
 /// `x [m, k] @ w.T` for `w` `[n, k]` in `dtype` blocks (row-major bytes): returns `[m, n]`.
@@ -163,16 +164,8 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     let rb = row_bytes(dtype, k);
     assert_eq!(w.len(), n * rb, "weight bytes do not match [{n}, {k}] of {dtype:?}");
     assert_eq!(x.len(), m * k);
-    let acts = if is_k_quant(dtype) {
-        Acts::Q8K(
-            x.chunks_exact(k)
-                .map(|row| {
-                    let mut blocks: Vec<BlockQ8K> = (0..k / 256).map(|_| BlockQ8K::zeros()).collect();
-                    BlockQ8K::from_float(row, &mut blocks);
-                    blocks
-                })
-                .collect(),
-        )
+    let acts = if kquant::has_kernel(dtype) {
+        Acts::K(x.chunks_exact(k).map(quantize_act_k).collect())
     } else {
         Acts::Q8(x.chunks_exact(k).map(quantize_act).collect())
     };
@@ -183,7 +176,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
         let w_rows = &w[first * rb..(first + rows) * rb];
         match &acts {
             Acts::Q8(acts) => rows_q8(out, w_rows, rb, acts, dtype, path),
-            Acts::Q8K(acts) => rows_q8k(out, w_rows, rb, acts, dtype, k, path),
+            Acts::K(acts) => kquant::rows(out, w_rows, rb, acts, dtype, path),
         }
     });
     if m == 1 {
@@ -227,28 +220,6 @@ fn rows_q8(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8], dtype: Ggm
                 _ => dot_portable(dtype, row, act),
             };
         }
-    }
-}
-
-fn rows_q8k(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[Vec<BlockQ8K>], dtype: GgmlDType, k: usize, path: Path) {
-    fn run<T: GgmlType<VecDotType = BlockQ8K>>(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[Vec<BlockQ8K>], k: usize, portable: bool) {
-        let m = acts.len();
-        for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
-            with_blocks::<T, _>(row, |blocks| {
-                for (o, act) in out.iter_mut().zip(acts) {
-                    *o = if portable { T::vec_dot_unopt(k, blocks, act) } else { T::vec_dot(k, blocks, act) };
-                }
-            });
-        }
-    }
-    let portable = path == Path::Portable;
-    match dtype {
-        GgmlDType::Q2K => run::<BlockQ2K>(out, w_rows, rb, acts, k, portable),
-        GgmlDType::Q3K => run::<BlockQ3K>(out, w_rows, rb, acts, k, portable),
-        GgmlDType::Q4K => run::<BlockQ4K>(out, w_rows, rb, acts, k, portable),
-        GgmlDType::Q5K => run::<BlockQ5K>(out, w_rows, rb, acts, k, portable),
-        GgmlDType::Q6K => run::<BlockQ6K>(out, w_rows, rb, acts, k, portable),
-        other => panic!("{other:?} is not a K-quant"),
     }
 }
 
@@ -315,7 +286,7 @@ pub(crate) mod x86 {
     const Q8_0: u8 = 4;
 
     /// `$body::<$vnni, F>($args)` with `F` the format constant of `dtype`. Only 32-value block
-    /// formats reach here: `matmul` sends K-quants to candle's dot products, and a `QMatrix`
+    /// formats reach here: `matmul` sends K-quants to `kquant`, and a `QMatrix`
     /// holds only the formats `formats::supported` admits.
     macro_rules! by_format {
         ($dtype:expr, $body:ident::<$vnni:tt>($($arg:expr),*)) => {
@@ -587,7 +558,7 @@ pub(crate) mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::formats::{Sliced, dequantize, quantize_matrix};
+    use super::super::formats::{Sliced, dequantize, is_k_quant, quantize_matrix};
     use super::*;
     use crate::test_values::values;
 
