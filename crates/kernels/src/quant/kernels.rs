@@ -104,7 +104,7 @@ pub fn quantize_act(x: &[f32]) -> ActQ8 {
         let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
         let mut sum = 0i32;
         for (q, v) in qs.iter_mut().zip(values) {
-            *q = (v * inv).round() as i8;
+            *q = super::kquant::round_to_i8(v * inv);
             sum += *q as i32;
         }
         act.d.push(d);

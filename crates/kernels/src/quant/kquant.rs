@@ -88,7 +88,7 @@ pub fn quantize_act_k(x: &[f32]) -> ActQ8K {
 /// the same integer (the bounds are integers), `v - trunc(v)` is exact, and NaN becomes 0 as
 /// before.
 #[inline(always)]
-fn round_to_i8(v: f32) -> i8 {
+pub(super) fn round_to_i8(v: f32) -> i8 {
     let v = v.clamp(-128.0, 127.0);
     let t = v as i32;
     let frac = v - t as f32;
