@@ -9,9 +9,93 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
-use super::paged::HostBlock;
+use super::SequenceInput;
+use super::paged::{HostBlock, LayerBlocks};
 use super::placement::Placement;
+
+/// Attention for every sequence of a step: writes each one's new keys and values `k`, `v`
+/// [kv_heads, tokens, head_dim] into its blocks, then attends its queries over its history.
+/// q [q_heads, tokens, head_dim], the sequences' tokens in batch order; returns [tokens,
+/// q_heads * head_dim].
+///
+/// On a CPU a sequence with one new token (decode) reads its history in place, after all of
+/// the step's writes; the others (prompts, and every sequence on a GPU) gather theirs.
+pub fn attend_batch(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: &[SequenceInput<'_>],
+    blocks: &mut LayerBlocks,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<Tensor> {
+    let host_decode = Placement::of(q.device()) == Placement::Host && q.dtype() == DType::F32;
+    let mut outputs: Vec<Option<Tensor>> = Vec::with_capacity(batch.len());
+    let mut decoding = Vec::new(); // (index in batch, token index)
+    let mut offset = 0;
+    for (i, seq) in batch.iter().enumerate() {
+        let n = seq.tokens.len();
+        let (k, v) = (k.narrow(1, offset, n)?, v.narrow(1, offset, n)?);
+        if host_decode && n == 1 {
+            blocks.write(seq.blocks, seq.start_pos, &k, &v)?;
+            decoding.push((i, offset));
+            outputs.push(None);
+        } else {
+            let (keys_t, values) = blocks.append(seq.blocks, seq.start_pos, &k, &v)?;
+            outputs.push(Some(attend(&q.narrow(1, offset, n)?, &keys_t, &values, seq.start_pos, kv_heads, head_dim)?));
+        }
+        offset += n;
+    }
+    if !decoding.is_empty() {
+        let decoded = attend_decoding_on_host(q, &decoding, batch, blocks, kv_heads, head_dim)?;
+        for ((i, _), out) in decoding.into_iter().zip(decoded) {
+            outputs[i] = Some(out);
+        }
+    }
+    let outputs: Vec<Tensor> = outputs.into_iter().flatten().collect();
+    Ok(Tensor::cat(&outputs, 0)?)
+}
+
+/// The decoding sequences of a step (index in `batch`, token index in `q`), whose keys and
+/// values are written: one task per sequence and KV head, so that a single sequence uses every
+/// core too. Returns each one's [1, q_heads * head_dim].
+fn attend_decoding_on_host(
+    q: &Tensor,
+    decoding: &[(usize, usize)],
+    batch: &[SequenceInput<'_>],
+    blocks: &LayerBlocks,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<Vec<Tensor>> {
+    let width = q.dim(0)? * head_dim;
+    let q_rows = q.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?; // [tokens, q_heads, head_dim]
+    let heads: Vec<Result<Option<Vec<f32>>>> = decoding
+        .par_iter()
+        .flat_map(|&(i, token)| {
+            let q = &q_rows[token * width..(token + 1) * width];
+            let (table, total) = (batch[i].blocks, batch[i].start_pos + 1);
+            (0..kv_heads).into_par_iter().map(move |kv| {
+                blocks.host_history(table, total, |history| attend_one_on_host(q, history, kv_heads, head_dim, kv))
+            })
+        })
+        .collect();
+    let mut heads = heads.into_iter();
+    let mut outputs = Vec::with_capacity(decoding.len());
+    for &(i, token) in decoding {
+        let sequence: Option<Vec<Vec<f32>>> = heads.by_ref().take(kv_heads).collect::<Result<_>>()?;
+        outputs.push(match sequence {
+            Some(sequence) => Tensor::from_vec(sequence.concat(), (1, width), q.device())?,
+            // Not f32 blocks on a CPU after all: the gathered form.
+            None => {
+                let (keys_t, values) = blocks.gather(batch[i].blocks, batch[i].start_pos + 1)?;
+                attend(&q.narrow(1, token, 1)?, &keys_t, &values, batch[i].start_pos, kv_heads, head_dim)?
+            }
+        });
+    }
+    Ok(outputs)
+}
 
 /// Causal scaled-dot-product attention of one sequence against its cached history.
 /// q [q_heads, n, hd]; keys_t [kv_heads, hd, total] (transposed, as the paged cache gathers
@@ -47,18 +131,21 @@ pub fn attend(
 }
 
 /// One new token's attention over its whole history (itself included), read in place from the
-/// cache blocks: q [q_heads * head_dim] f32 (query head h uses KV head h / (q_heads /
-/// kv_heads)); returns [q_heads * head_dim]. Computes what [`attend`] does for n = 1 (no mask:
-/// every cached position is visible), in f32, in another order of additions.
-pub fn attend_one_on_host(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize) -> Vec<f32> {
+/// cache blocks, for the query heads of KV head `kv`: q [q_heads * head_dim] f32 (query head h
+/// uses KV head h / (q_heads / kv_heads)); returns [q_heads / kv_heads * head_dim], those heads'
+/// outputs in order, so that the KV heads' results concatenated are the token's output. Computes
+/// what [`attend`] does for n = 1 (no mask: every cached position is visible), in f32, in
+/// another order of additions.
+pub fn attend_one_on_host(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
     let q_heads = q.len() / head_dim;
     let group = q_heads / kv_heads;
     let total: usize = history.iter().map(|b| b.positions).sum();
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut out = vec![0f32; q_heads * head_dim];
+    let mut out = vec![0f32; group * head_dim];
     let mut probs = vec![0f32; total];
-    for h in 0..q_heads {
-        let (kv, q) = (h / group, &q[h * head_dim..(h + 1) * head_dim]);
+    for g in 0..group {
+        let h = kv * group + g;
+        let q = &q[h * head_dim..(h + 1) * head_dim];
         // scores[t] = q · k_t: a block's keys are [head_dim, block_size], so each query
         // element scales one contiguous row of positions.
         let mut t0 = 0;
@@ -86,7 +173,7 @@ pub fn attend_one_on_host(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize,
             *p /= sum;
         }
         // out = Σ_t p_t v_t: a block's values are [block_size, head_dim], one row per position.
-        let out = &mut out[h * head_dim..(h + 1) * head_dim];
+        let out = &mut out[g * head_dim..(g + 1) * head_dim];
         let mut t0 = 0;
         for block in history {
             let block_size = block.values.len() / (kv_heads * head_dim);
@@ -150,8 +237,11 @@ mod tests {
             let (keys_t, gathered) = layer.append(&table, 0, &keys, &values)?;
             let expected = attend(&q, &keys_t, &gathered, total - 1, kv_heads, head_dim)?.flatten_all()?.to_vec1::<f32>()?;
             let q_host = q.flatten_all()?.to_vec1::<f32>()?;
-            let ours = layer.host_history(&table, total, |history| attend_one_on_host(&q_host, history, kv_heads, head_dim))?;
-            let ours = ours.expect("f32 blocks on a CPU");
+            let mut ours = Vec::new();
+            for kv in 0..kv_heads {
+                let heads = layer.host_history(&table, total, |history| attend_one_on_host(&q_host, history, kv_heads, head_dim, kv))?;
+                ours.extend(heads.expect("f32 blocks on a CPU"));
+            }
             let diff = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(diff < 1e-5, "total {total}: max |diff| {diff}");
         }

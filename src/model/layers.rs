@@ -6,13 +6,11 @@
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
-use rayon::prelude::*;
 
 use super::SequenceInput;
-use super::attention::{attend, attend_one_on_host};
+use super::attention::attend_batch;
 use super::loader::ShardLoader;
 use super::paged::LayerBlocks;
-use super::placement::Placement;
 use super::parallel::{ColumnParallelLinear, HeadLayout, RowParallelLinear, RowSlice, TpGroup};
 use super::rope::Rotary;
 
@@ -168,49 +166,7 @@ impl Attention {
         let k = self.rotate(&k.transpose(0, 1)?.unsqueeze(0)?, positions, rotary)?.squeeze(0)?;
         let v = parts[2].reshape((tokens, lkv, hd))?.transpose(0, 1)?;
 
-        // On a CPU, a sequence with one new token (decode) reads its history in place, after
-        // this step's writes, the sequences in parallel; the others (prompts, a GPU's steps)
-        // gather their history into one tensor each.
-        let host_decode = Placement::of(x.device()) == Placement::Host && q.dtype() == DType::F32;
-        let mut outputs: Vec<Option<Tensor>> = Vec::with_capacity(batch.len());
-        let mut decoding = Vec::new(); // (index in batch, token index)
-        let mut offset = 0;
-        for (i, seq) in batch.iter().enumerate() {
-            let n = seq.tokens.len();
-            let (k, v) = (k.narrow(1, offset, n)?, v.narrow(1, offset, n)?);
-            if host_decode && n == 1 {
-                blocks.write(seq.blocks, seq.start_pos, &k, &v)?;
-                decoding.push((i, offset));
-                outputs.push(None);
-            } else {
-                let (keys_t, values) = blocks.append(seq.blocks, seq.start_pos, &k, &v)?;
-                outputs.push(Some(attend(&q.narrow(1, offset, n)?, &keys_t, &values, seq.start_pos, lkv, hd)?));
-            }
-            offset += n;
-        }
-        if !decoding.is_empty() {
-            let q_rows = q.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?; // [tokens, lq, hd]
-            let blocks = &*blocks;
-            let decoded: Vec<Result<Option<Vec<f32>>>> = decoding
-                .par_iter()
-                .map(|&(i, token)| {
-                    let q = &q_rows[token * lq * hd..(token + 1) * lq * hd];
-                    blocks.host_history(batch[i].blocks, batch[i].start_pos + 1, |history| attend_one_on_host(q, history, lkv, hd))
-                })
-                .collect();
-            for (&(i, token), result) in decoding.iter().zip(decoded) {
-                outputs[i] = Some(match result? {
-                    Some(row) => Tensor::from_vec(row, (1, lq * hd), x.device())?,
-                    // Not f32 blocks on a CPU after all: the gathered form.
-                    None => {
-                        let (keys_t, values) = blocks.gather(batch[i].blocks, batch[i].start_pos + 1)?;
-                        attend(&q.narrow(1, token, 1)?, &keys_t, &values, batch[i].start_pos, lkv, hd)?
-                    }
-                });
-            }
-        }
-        let outputs: Vec<Tensor> = outputs.into_iter().flatten().collect();
-        let attended = Tensor::cat(&outputs, 0)?; // [tokens, lq * hd]
+        let attended = attend_batch(&q, &k, &v, batch, blocks, lkv, hd)?; // [tokens, lq * hd]
         let attended = match gate {
             Some(gate) => (attended * candle_nn::ops::sigmoid(&gate)?)?,
             None => attended,
