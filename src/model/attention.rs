@@ -227,7 +227,7 @@ mod tests {
     fn attention_read_in_place_equals_the_gathered_form() -> Result<()> {
         let device = Device::Cpu;
         let (kv_heads, q_heads, head_dim, block_size) = (2, 6, 8, 4);
-        for total in [1, 4, 5, 11, 16] {
+        for total in [1usize, 4, 5, 11, 16] {
             let mut pool = BlockPool::new(16, block_size);
             let table: Vec<u32> = [9u32, 3, 14, 0, 7].into_iter().take(total.div_ceil(block_size)).collect();
             let keys = Tensor::randn(0f32, 1.0, (kv_heads, total, head_dim), &device)?;
