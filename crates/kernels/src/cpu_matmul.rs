@@ -483,11 +483,12 @@ mod x86 {
                 // the task's rows j.. or their widened copy), x[i * k..] holds rx more rows of
                 // k, and the tile writes elements (i + c, first + j + r), c < rx, r < rw, of
                 // the [m, n] output, which are this task's (this function's contract); the CPU
-                // has S's features. The first pass over these weight rows prefetches the next
-                // ones; later passes find these in L1.
+                // has S's features. The first pass over weights read in place prefetches the
+                // next rows; later passes find these in L1 (a widened copy has no next rows
+                // behind it: the widening loop reads the weights in order).
                 unsafe {
                     let dst = out.at(first, i, j);
-                    S::tile(bf16, i == 0, rw, rx, tile_w, x[i * k..].as_ptr(), k, dst, out.n());
+                    S::tile(bf16, i == 0 && !widen_once, rw, rx, tile_w, x[i * k..].as_ptr(), k, dst, out.n());
                 }
                 i += rx;
             }
