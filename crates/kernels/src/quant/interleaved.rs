@@ -48,9 +48,10 @@
 //! adds, as [`super::kquant`]): no horizontal sum at all, each lane is a row's result.
 //!
 //! Rows past the last whole group stay in row layout after the groups and go through
-//! [`super::kernels`] (for Q4_K, [`super::kquant`]'s row kernels). A product's additions happen in the same order on every path and for
-//! every batch size, so every path equals [`group_portable`] bit for bit, and a row's result does
-//! not depend on the batch it is in.
+//! [`super::kernels`] (for Q4_K, [`super::kquant`]'s row kernels). A product's additions happen
+//! in the same order on every path and for every batch size, so every path equals
+//! [`group_portable`] ([`group_portable_q4k`] for Q4_K) bit for bit, and a row's result does not
+//! depend on the batch it is in.
 
 use candle_core::quantized::GgmlDType;
 use rayon::prelude::*;
