@@ -461,8 +461,8 @@ pub fn group_portable_q4k(group: &[u8], acts: &[&ActQ8K], out: &mut [[f32; GROUP
                     m += mins[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
                 }
                 let dx = act.d[b];
-                o[r] = o[r] + q as f32 * (d * dx);
-                o[r] = o[r] - m as f32 * (dmin * dx);
+                o[r] += q as f32 * (d * dx);
+                o[r] -= m as f32 * (dmin * dx);
             }
         }
     }
