@@ -4,7 +4,7 @@
 //! interleaved layout (`x8`), beside candle's quantized matmul (`QMatMul`, the baseline) on the
 //! same weights.
 //! The K-quants (Q4_K, Q5_K, Q6_K, then Q2_K, Q3_K) follow on shapes whose rows are whole 256-value blocks,
-//! beside candle's `QMatMul` and candle's own `vec_dot` per row (what tpserve ran for them
+//! in row layout and, for Q4_K, the x8 layout (`interleaved::has_layout`), beside candle's `QMatMul` and candle's own `vec_dot` per row (what tpserve ran for them
 //! before `quant::kquant`, split over the rayon pool the same way).
 //! A figure, not a test.
 //!
@@ -85,15 +85,25 @@ fn main() {
     for m in [1, 16] {
         for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K, GgmlDType::Q2K, GgmlDType::Q3K] {
             for path in Path::ALL.into_iter().filter(|p| p.available()) {
-                let mut line = format!("{dtype:?} m={m:<2} {:>11} rows:", path.name());
-                for (k, n) in shapes {
-                    let Sliced::Blocks { dtype: held, bytes, .. } = quantize_matrix(dtype, n, k, weights(n, k)) else { continue };
-                    assert_eq!(held, dtype);
-                    let x = activations(m, k);
-                    let seconds = time(m, n, k, || matmul(&x, m, k, held, &bytes, n, path));
-                    line += &figure(k, n, seconds, n * row_bytes(held, k));
+                for x8 in [false, true] {
+                    // the x8 layout wherever it exists, held resident (`packable`) or not
+                    if x8 && !interleaved::has_layout(dtype) {
+                        continue;
+                    }
+                    let layout = if x8 { "x8" } else { "rows" };
+                    let mut line = format!("{dtype:?} m={m:<2} {:>11} {layout:>4}:", path.name());
+                    for (k, n) in shapes {
+                        let Sliced::Blocks { dtype: held, bytes, .. } = quantize_matrix(dtype, n, k, weights(n, k)) else { continue };
+                        assert_eq!(held, dtype);
+                        let bytes = if x8 { interleaved::pack(held, n, k, &bytes) } else { bytes };
+                        let x = activations(m, k);
+                        let seconds = time(m, n, k, || {
+                            if x8 { interleaved::matmul(&x, m, k, held, &bytes, n, path) } else { matmul(&x, m, k, held, &bytes, n, path) }
+                        });
+                        line += &figure(k, n, seconds, n * row_bytes(held, k));
+                    }
+                    println!("{line}");
                 }
-                println!("{line}");
             }
             let mut line = format!("{dtype:?} m={m:<2} {:>16}:", "candle vec_dot");
             for (k, n) in shapes {
