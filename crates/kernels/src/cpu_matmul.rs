@@ -29,9 +29,10 @@ use crate::output::Output;
 
 /// Above this many rows an f32 weight goes to candle's gemm: its broadcast microkernel beats the
 /// dot-product tiles once repacking the weight is spread over enough rows (examples/dense_matmul,
-/// 2 threads: tiles 75 against 53 GFLOP/s at 16 rows, 98 against 90 at 64, 117 against 153 at
-/// 256). A prompt's prefill is usually past it; decode batches are not. bf16 weights have no
-/// such limit (candle would need an f32 copy of the weight per call).
+/// 2 threads, quiet machine: tiles 75 against 53 GFLOP/s at 16 rows and 90 against 71 at 32;
+/// about even from 48 to 64 rows, where runs disagree by more than the difference; 117 against
+/// 153 at 256). A prompt's prefill is usually past it; decode batches are not. bf16 weights have
+/// no such limit (an f32 copy of the weight per call makes candle slower up to 256 rows).
 const F32_MAX_ROWS: usize = 64;
 /// Weight rows per parallel task: large enough to amortise scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 64;
