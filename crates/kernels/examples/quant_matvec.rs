@@ -1,11 +1,12 @@
 //! Speed of the quantized kernels on SmolLM2-135M's shapes, every path this CPU has, for one
 //! activation row (decode) and sixteen (a batch): prints µs per product and GB/s of weights
-//! streamed, for GGML's row layout (`rows`) and, for the 32-value block formats, the resident
-//! interleaved layout (`x8`), beside candle's quantized matmul (`QMatMul`, the baseline) on the
+//! streamed, for GGML's row layout (`rows`) and, for the formats held interleaved, that layout
+//! (`x8`), beside candle's quantized matmul (`QMatMul`, the baseline) on the
 //! same weights.
-//! The K-quants (Q4_K, Q5_K, Q6_K, then Q2_K, Q3_K) follow on shapes whose rows are whole 256-value blocks,
-//! in row layout and, for Q4_K, the x8 layout (`interleaved::has_layout`), beside candle's `QMatMul` and candle's own `vec_dot` per row (what tpserve ran for them
-//! before `quant::kquant`, split over the rayon pool the same way).
+//! The K-quants (Q4_K, Q5_K, Q6_K, then Q2_K, Q3_K) follow on shapes whose rows are whole
+//! 256-value blocks, in row layout and, for Q4_K, the x8 layout, beside candle's `QMatMul` and
+//! candle's own `vec_dot` per row (what tpserve ran for them before `quant::kquant`, split over
+//! the rayon pool the same way).
 //! A figure, not a test.
 //!
 //!     RAYON_NUM_THREADS=1 cargo run --release -p tpserve-kernels --example quant_matvec [-- --k-quants]
@@ -21,109 +22,75 @@ use tpserve_kernels::quant::interleaved;
 use tpserve_kernels::quant::kernels::{Path, matmul};
 
 fn main() {
-    // (k, n): q/k/v+o, gate/up, down, LM head of SmolLM2-135M
     // `--k-quants`: only the K-quant lines
     let only_k = std::env::args().any(|a| a == "--k-quants");
-    let shapes = [(576, 960), (576, 3072), (1536, 576), (576, 49152)];
-    let simple: &[(GgmlDType, usize)] = if only_k { &[] } else { &[(GgmlDType::Q4_1, 1), (GgmlDType::Q8_0, 1), (GgmlDType::Q4_1, 16), (GgmlDType::Q8_0, 16)] };
-    for &(dtype, m) in simple {
-        for path in Path::ALL.into_iter().filter(|p| p.available()) {
-            for x8 in [false, true] {
-                if x8 && !interleaved::packable(dtype) {
-                    continue;
-                }
-                let layout = if x8 { "x8" } else { "rows" };
-                let mut line = format!("{dtype:?} m={m:<2} {:>11} {layout:>4}:", path.name());
-                for (k, n) in shapes {
-                    let values: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
-                    let Sliced::Blocks { dtype: held, bytes, .. } = quantize_matrix(dtype, n, k, values) else { continue };
-                    let bytes = if x8 { interleaved::pack(held, n, k, &bytes) } else { bytes };
-                    let product = |x: &[f32]| {
-                        if x8 { interleaved::matmul(x, m, k, held, &bytes, n, path) } else { matmul(x, m, k, held, &bytes, n, path) }
-                    };
-                    let x: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect();
-                    let reps = (200_000_000 / (n * k * m)).max(3);
-                    let _ = product(&x);
-                    let started = Instant::now();
-                    for _ in 0..reps {
-                        std::hint::black_box(product(&x));
-                    }
-                    let seconds = started.elapsed().as_secs_f64() / reps as f64;
-                    let gbs = (n * row_bytes(held, k)) as f64 / seconds / 1e9;
-                    line += &format!("  [{k}x{n}] {:.1} µs {gbs:.1} GB/s", seconds * 1e6);
-                }
-                println!("{line}");
-            }
+    if !only_k {
+        // (k, n): q/k/v+o, gate/up, down, LM head of SmolLM2-135M
+        let shapes = [(576, 960), (576, 3072), (1536, 576), (576, 49152)];
+        for (dtype, m) in [(GgmlDType::Q4_1, 1), (GgmlDType::Q8_0, 1), (GgmlDType::Q4_1, 16), (GgmlDType::Q8_0, 16)] {
+            layout_lines(dtype, m, &shapes);
+            candle_line(dtype, m, &shapes);
         }
-        let mut line = format!("{dtype:?} m={m:<2} {:>16}:", "candle");
-        for (k, n) in shapes {
-            if k % dtype.block_size() != 0 {
-                // candle refuses rows that are not whole blocks (tpserve holds them as Q8_0)
-                line += &format!("  [{k}x{n}] n/a");
-                continue;
-            }
-            let values: Vec<f32> = (0..n * k).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
-            let w = Tensor::from_vec(values, (n, k), &Device::Cpu).unwrap();
-            let q = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
-            let x = Tensor::from_vec((0..m * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect::<Vec<f32>>(), (m, k), &Device::Cpu).unwrap();
-            let reps = (200_000_000 / (n * k * m)).max(3);
-            let _ = q.forward(&x).unwrap();
-            let started = Instant::now();
-            for _ in 0..reps {
-                std::hint::black_box(q.forward(&x).unwrap());
-            }
-            let seconds = started.elapsed().as_secs_f64() / reps as f64;
-            let gbs = (n * row_bytes(dtype, k)) as f64 / seconds / 1e9;
-            line += &format!("  [{k}x{n}] {:.1} µs {gbs:.1} GB/s", seconds * 1e6);
-        }
-        println!("{line}");
     }
-
     // K-quants: (k, n) with k whole 256-value blocks (candle refuses others): SmolLM2's down
     // projection, Qwen3-0.6B's gate/up and down, a 2048-wide attention projection.
     let shapes = [(1536, 576), (1024, 3072), (3072, 1024), (2048, 2048)];
     for m in [1, 16] {
         for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K, GgmlDType::Q2K, GgmlDType::Q3K] {
-            for path in Path::ALL.into_iter().filter(|p| p.available()) {
-                for x8 in [false, true] {
-                    // the x8 layout wherever it exists, held resident (`packable`) or not
-                    if x8 && !interleaved::has_layout(dtype) {
-                        continue;
-                    }
-                    let layout = if x8 { "x8" } else { "rows" };
-                    let mut line = format!("{dtype:?} m={m:<2} {:>11} {layout:>4}:", path.name());
-                    for (k, n) in shapes {
-                        let Sliced::Blocks { dtype: held, bytes, .. } = quantize_matrix(dtype, n, k, weights(n, k)) else { continue };
-                        assert_eq!(held, dtype);
-                        let bytes = if x8 { interleaved::pack(held, n, k, &bytes) } else { bytes };
-                        let x = activations(m, k);
-                        let seconds = time(m, n, k, || {
-                            if x8 { interleaved::matmul(&x, m, k, held, &bytes, n, path) } else { matmul(&x, m, k, held, &bytes, n, path) }
-                        });
-                        line += &figure(k, n, seconds, n * row_bytes(held, k));
-                    }
-                    println!("{line}");
-                }
-            }
+            layout_lines(dtype, m, &shapes);
             let mut line = format!("{dtype:?} m={m:<2} {:>16}:", "candle vec_dot");
-            for (k, n) in shapes {
+            for &(k, n) in &shapes {
                 let Sliced::Blocks { bytes, .. } = quantize_matrix(dtype, n, k, weights(n, k)) else { continue };
                 let x = activations(m, k);
                 let seconds = time(m, n, k, || candle_vec_dot(dtype, &x, m, k, &bytes, n));
                 line += &figure(k, n, seconds, n * row_bytes(dtype, k));
             }
             println!("{line}");
-            let mut line = format!("{dtype:?} m={m:<2} {:>16}:", "candle");
-            for (k, n) in shapes {
-                let w = Tensor::from_vec(weights(n, k), (n, k), &Device::Cpu).unwrap();
-                let q = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
-                let x = Tensor::from_vec(activations(m, k), (m, k), &Device::Cpu).unwrap();
-                let seconds = time(m, n, k, || q.forward(&x).unwrap());
-                line += &figure(k, n, seconds, n * row_bytes(dtype, k));
+            candle_line(dtype, m, &shapes);
+        }
+    }
+}
+
+/// One line per path this CPU has and per layout of `dtype`: GGML's rows, and the interleaved
+/// one where the format is held so (`interleaved::packable`).
+fn layout_lines(dtype: GgmlDType, m: usize, shapes: &[(usize, usize)]) {
+    for path in Path::ALL.into_iter().filter(|p| p.available()) {
+        for x8 in [false, true] {
+            if x8 && !interleaved::packable(dtype) {
+                continue;
+            }
+            let layout = if x8 { "x8" } else { "rows" };
+            let mut line = format!("{dtype:?} m={m:<2} {:>11} {layout:>4}:", path.name());
+            for &(k, n) in shapes {
+                let Sliced::Blocks { dtype: held, bytes, .. } = quantize_matrix(dtype, n, k, weights(n, k)) else { continue };
+                let bytes = if x8 { interleaved::pack(held, n, k, &bytes) } else { bytes };
+                let x = activations(m, k);
+                let seconds = time(m, n, k, || {
+                    if x8 { interleaved::matmul(&x, m, k, held, &bytes, n, path) } else { matmul(&x, m, k, held, &bytes, n, path) }
+                });
+                line += &figure(k, n, seconds, n * row_bytes(held, k));
             }
             println!("{line}");
         }
     }
+}
+
+/// candle's quantized matmul (`QMatMul`, the baseline) on the same weights.
+fn candle_line(dtype: GgmlDType, m: usize, shapes: &[(usize, usize)]) {
+    let mut line = format!("{dtype:?} m={m:<2} {:>16}:", "candle");
+    for &(k, n) in shapes {
+        if k % dtype.block_size() != 0 {
+            // candle refuses rows that are not whole blocks (tpserve holds them as Q8_0)
+            line += &format!("  [{k}x{n}] n/a");
+            continue;
+        }
+        let w = Tensor::from_vec(weights(n, k), (n, k), &Device::Cpu).unwrap();
+        let q = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+        let x = Tensor::from_vec(activations(m, k), (m, k), &Device::Cpu).unwrap();
+        let seconds = time(m, n, k, || q.forward(&x).unwrap());
+        line += &figure(k, n, seconds, n * row_bytes(dtype, k));
+    }
+    println!("{line}");
 }
 
 fn weights(n: usize, k: usize) -> Vec<f32> {

@@ -27,4 +27,24 @@ pub(crate) mod test_values {
             })
             .collect()
     }
+
+    /// A `[rows, cols]` matrix of `values(rows * cols, seed)` quantized to `dtype` itself (the
+    /// shape must take whole blocks: no fallback format).
+    pub fn blocks(dtype: candle_core::quantized::GgmlDType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        use crate::quant::formats::{Sliced, quantize_matrix};
+        let Sliced::Blocks { bytes, dtype: held, .. } = quantize_matrix(dtype, rows, cols, values(rows * cols, seed)) else {
+            panic!("{dtype:?} [{rows}, {cols}] was not held in blocks")
+        };
+        assert_eq!(held, dtype);
+        bytes
+    }
+
+    /// Asserts that `got`, a product of weight row `w` with activations `x` quantized to 8 bits,
+    /// is within the activation rounding of the exact product: at most half a step (amax / 254)
+    /// per value, within 0.01 |w| |x| + 1e-4 for these inputs.
+    pub fn assert_within_activation_rounding(got: f32, w: &[f32], x: &[f32], at: &str) {
+        let exact: f32 = w.iter().zip(x).map(|(a, b)| a * b).sum();
+        let norm = |v: &[f32]| v.iter().map(|v| v * v).sum::<f32>().sqrt();
+        assert!((got - exact).abs() <= 0.01 * norm(w) * norm(x) + 1e-4, "{at}: {got} vs dequantized {exact}");
+    }
 }

@@ -75,12 +75,6 @@ pub fn packable(dtype: GgmlDType) -> bool {
     matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4K)
 }
 
-/// The formats this module can pack and multiply (today the [`packable`] ones; a format whose
-/// x8 layout is not the faster one would be here and not there).
-pub fn has_layout(dtype: GgmlDType) -> bool {
-    packable(dtype)
-}
-
 /// Offsets in a Q4_K group-block (see the module documentation): d x8, dmin x8, the three
 /// 32-byte scale chunks, the 32 value chunks.
 const K_DMIN: usize = 16;
@@ -212,7 +206,7 @@ fn unpack_block(p: Parts, group: &[u8], r: usize, out: &mut [u8]) {
 
 /// A row-major `[rows, cols]` matrix of `dtype` blocks in the interleaved layout (same size).
 pub fn pack(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8> {
-    assert!(has_layout(dtype), "{dtype:?} has no interleaved layout");
+    assert!(packable(dtype), "{dtype:?} has no interleaved layout");
     let (ts, rb) = (dtype.type_size(), row_bytes(dtype, cols));
     assert_eq!(bytes.len(), rows * rb, "{} bytes are not [{rows}, {cols}] of {dtype:?}", bytes.len());
     let blocks = cols / dtype.block_size();
@@ -238,7 +232,7 @@ pub fn pack(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8>
 
 /// Row `row` of an interleaved matrix, as GGML row-layout bytes.
 pub fn row(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8], row: usize) -> Vec<u8> {
-    assert!(has_layout(dtype), "{dtype:?} has no interleaved layout");
+    assert!(packable(dtype), "{dtype:?} has no interleaved layout");
     let (ts, rb) = (dtype.type_size(), row_bytes(dtype, cols));
     let gbytes = GROUP * ts;
     assert!(row < rows && packed.len() == rows * rb);
@@ -271,7 +265,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     let rb = row_bytes(dtype, k);
     assert_eq!(w.len(), n * rb, "weight bytes do not match [{n}, {k}] of {dtype:?}");
     assert_eq!(x.len(), m * k);
-    assert!(has_layout(dtype), "{dtype:?} has no interleaved layout");
+    assert!(packable(dtype), "{dtype:?} has no interleaved layout");
     if m == 0 {
         return Vec::new();
     }
@@ -474,14 +468,8 @@ mod x86 {
 
     use candle_core::quantized::GgmlDType;
 
-    use super::super::kernels::x86::high_bits;
+    use super::super::kernels::x86::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, high_bits};
     use super::{ActQ8, ActQ8K, GROUP, K_DMIN, K_QS, K_SCALES, Parts, Q4K_BYTES, QK, QK_K};
-
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q5_0: u8 = 2;
-    const Q5_1: u8 = 3;
-    const Q8_0: u8 = 4;
 
     /// One instantiation per format and batch size (1..=4 activation rows), compiled for the
     /// features of `$features`.
@@ -753,17 +741,11 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::formats::{Sliced, dequantize, quantize_matrix};
+    use super::super::formats::dequantize;
     use super::*;
-    use crate::test_values::values;
+    use crate::test_values::{assert_within_activation_rounding, blocks, values};
 
     const FORMATS: [GgmlDType; 5] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0];
-
-    fn blocks(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let Sliced::Blocks { bytes, dtype: held, .. } = quantize_matrix(dtype, rows, cols, values(rows * cols, seed)) else { panic!() };
-        assert_eq!(held, dtype);
-        bytes
-    }
 
     #[test]
     fn packing_keeps_the_size_and_unpacks_to_the_same_rows() {
@@ -803,7 +785,6 @@ mod tests {
                     for i in 0..m {
                         let alone = matmul(&x[i * k..(i + 1) * k], 1, k, dtype, &packed, n, path);
                         let xi = &x[i * k..(i + 1) * k];
-                        let xnorm = xi.iter().map(|v| v * v).sum::<f32>().sqrt();
                         for j in 0..n {
                             let g = got[i * n + j];
                             let at = format!("{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]");
@@ -815,10 +796,7 @@ mod tests {
                                 assert!((g - want).abs() <= 1e-4 * (1.0 + want.abs()), "{at}: {g} vs reference {want}");
                             }
                             assert_eq!(g.to_bits(), alone[j].to_bits(), "{at}: batch {g} vs alone {}", alone[j]);
-                            let wrow = &wd[j * k..(j + 1) * k];
-                            let exact: f32 = wrow.iter().zip(xi).map(|(a, b)| a * b).sum();
-                            let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
-                            assert!((g - exact).abs() <= 0.01 * wnorm * xnorm + 1e-4, "{at}: {g} vs dequantized {exact}");
+                            assert_within_activation_rounding(g, &wd[j * k..(j + 1) * k], xi, &at);
                         }
                     }
                 }
@@ -873,7 +851,6 @@ mod tests {
                 for i in 0..m {
                     let xi = &x[i * k..(i + 1) * k];
                     let alone = matmul(xi, 1, k, dtype, &packed, n, path);
-                    let xnorm = xi.iter().map(|v| v * v).sum::<f32>().sqrt();
                     for j in 0..n {
                         let g = got[i * n + j];
                         let at = format!("{path:?} m{m} k{k} n{n} [{i},{j}]");
@@ -887,10 +864,7 @@ mod tests {
                         let r = rows_layout[i * n + j];
                         assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{at}: {g} vs row layout {r}");
                         assert_eq!(g.to_bits(), alone[j].to_bits(), "{at}: batch {g} vs alone {}", alone[j]);
-                        let wrow = &wd[j * k..(j + 1) * k];
-                        let exact: f32 = wrow.iter().zip(xi).map(|(a, b)| a * b).sum();
-                        let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
-                        assert!((g - exact).abs() <= 0.01 * wnorm * xnorm + 1e-4, "{at}: {g} vs dequantized {exact}");
+                        assert_within_activation_rounding(g, &wd[j * k..(j + 1) * k], xi, &at);
                     }
                 }
             }
@@ -918,15 +892,11 @@ mod tests {
             if case == 0 {
                 assert!(reference.iter().all(|&v| v == 0.0));
             }
-            let xnorm = x.iter().map(|v| v * v).sum::<f32>().sqrt();
             for path in Path::ALL.into_iter().filter(|p| p.available()) {
                 let got = matmul(&x, 1, k, dtype, &packed, n, path);
                 for j in 0..n {
                     assert_eq!(got[j].to_bits(), reference[j].to_bits(), "{path:?} case {case} col {j}");
-                    let wrow = &wd[j * k..(j + 1) * k];
-                    let exact: f32 = wrow.iter().zip(&x).map(|(a, b)| a * b).sum();
-                    let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
-                    assert!((got[j] - exact).abs() <= 0.01 * wnorm * xnorm + 1e-4, "{path:?} case {case} col {j}: {} vs {exact}", got[j]);
+                    assert_within_activation_rounding(got[j], &wd[j * k..(j + 1) * k], &x, &format!("{path:?} case {case} col {j}"));
                 }
             }
         }

@@ -279,11 +279,13 @@ pub(crate) mod x86 {
         }
     }
 
-    const Q4_0: u8 = 0;
-    const Q4_1: u8 = 1;
-    const Q5_0: u8 = 2;
-    const Q5_1: u8 = 3;
-    const Q8_0: u8 = 4;
+    // The 32-value block formats as const-generic parameters (shared with the interleaved
+    // kernels).
+    pub(crate) const Q4_0: u8 = 0;
+    pub(crate) const Q4_1: u8 = 1;
+    pub(crate) const Q5_0: u8 = 2;
+    pub(crate) const Q5_1: u8 = 3;
+    pub(crate) const Q8_0: u8 = 4;
 
     /// `$body::<$vnni, F>($args)` with `F` the format constant of `dtype`. Only 32-value block
     /// formats reach here: `matmul` sends K-quants to `kquant`, and a `QMatrix`
@@ -560,7 +562,7 @@ pub(crate) mod x86 {
 mod tests {
     use super::super::formats::{Sliced, dequantize, is_k_quant, quantize_matrix};
     use super::*;
-    use crate::test_values::values;
+    use crate::test_values::{assert_within_activation_rounding, values};
 
     /// Every format on every path this CPU has, odd shapes included, against a plain f32
     /// matmul of the dequantized weights; and the simple formats' SIMD paths against the scalar
@@ -586,15 +588,10 @@ mod tests {
                     let got = matmul(&x, m, k, dtype, &bytes, n, path);
                     for i in 0..m {
                         let act = quantize_act(&x[i * k..(i + 1) * k]);
-                        let xnorm = x[i * k..(i + 1) * k].iter().map(|v| v * v).sum::<f32>().sqrt();
                         for j in 0..n {
-                            let wrow = &wd[j * k..(j + 1) * k];
-                            let exact: f32 = wrow.iter().zip(&x[i * k..(i + 1) * k]).map(|(a, b)| a * b).sum();
-                            let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
                             let g = got[i * n + j];
-                            // activation rounding: at most half a step (amax/254) per value
-                            let tol = 0.01 * wnorm * xnorm + 1e-4;
-                            assert!((g - exact).abs() <= tol, "{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]: {g} vs {exact}");
+                            let at = format!("{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]");
+                            assert_within_activation_rounding(g, &wd[j * k..(j + 1) * k], &x[i * k..(i + 1) * k], &at);
                             if !is_k_quant(dtype) {
                                 let reference = dot_portable(dtype, &bytes[j * row_bytes(dtype, k)..(j + 1) * row_bytes(dtype, k)], &act);
                                 assert!((g - reference).abs() <= 1e-4 * (1.0 + reference.abs()), "{path:?} {dtype:?} [{i},{j}]: {g} vs integer reference {reference}");

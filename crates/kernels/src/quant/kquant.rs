@@ -570,18 +570,12 @@ mod x86 {
 mod tests {
     use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
 
-    use super::super::formats::{Sliced, dequantize, quantize_matrix, row_bytes, with_blocks};
+    use super::super::formats::{dequantize, row_bytes, with_blocks};
     use super::super::kernels::matmul;
     use super::*;
-    use crate::test_values::values;
+    use crate::test_values::{assert_within_activation_rounding, blocks, values};
 
     const FORMATS: [GgmlDType; 5] = [GgmlDType::Q2K, GgmlDType::Q3K, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
-
-    fn blocks(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        let Sliced::Blocks { bytes, dtype: held, .. } = quantize_matrix(dtype, rows, cols, values(rows * cols, seed)) else { panic!() };
-        assert_eq!(held, dtype);
-        bytes
-    }
 
     fn paths() -> Vec<Path> {
         Path::ALL.into_iter().filter(|p| p.available()).collect()
@@ -606,13 +600,9 @@ mod tests {
                     let got = matmul(&x, m, k, dtype, &bytes, n, path);
                     for i in 0..m {
                         let xi = &x[i * k..(i + 1) * k];
-                        let xnorm = xi.iter().map(|v| v * v).sum::<f32>().sqrt();
                         for j in 0..n {
-                            let wrow = &wd[j * k..(j + 1) * k];
-                            let exact: f32 = wrow.iter().zip(xi).map(|(a, b)| a * b).sum();
-                            let wnorm = wrow.iter().map(|v| v * v).sum::<f32>().sqrt();
-                            let g = got[i * n + j];
-                            assert!((g - exact).abs() <= 0.01 * wnorm * xnorm + 1e-4, "{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]: {g} vs {exact}");
+                            let at = format!("{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]");
+                            assert_within_activation_rounding(got[i * n + j], &wd[j * k..(j + 1) * k], xi, &at);
                         }
                     }
                 }
