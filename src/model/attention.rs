@@ -59,8 +59,8 @@ pub fn attend_batch(
 }
 
 /// The decoding sequences of a step (index in `batch`, token index in `q`), whose keys and
-/// values are written: one task per sequence and KV head, so that a single sequence uses every
-/// core too. Returns each one's [1, q_heads * head_dim].
+/// values are written: one task per sequence, and within it one per KV head, so that a single
+/// sequence uses every core too. Returns each one's [1, q_heads * head_dim].
 fn attend_decoding_on_host(
     q: &Tensor,
     decoding: &[(usize, usize)],
@@ -71,21 +71,18 @@ fn attend_decoding_on_host(
 ) -> Result<Vec<Tensor>> {
     let width = q.dim(0)? * head_dim;
     let q_rows = q.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?; // [tokens, q_heads, head_dim]
-    let heads: Vec<Result<Option<Vec<f32>>>> = decoding
+    let sequences: Vec<Result<Option<Vec<Vec<f32>>>>> = decoding
         .par_iter()
-        .flat_map(|&(i, token)| {
+        .map(|&(i, token)| {
             let q = &q_rows[token * width..(token + 1) * width];
-            let (table, total) = (batch[i].blocks, batch[i].start_pos + 1);
-            (0..kv_heads).into_par_iter().map(move |kv| {
-                blocks.host_history(table, total, |history| attend_one_on_host(q, history, kv_heads, head_dim, kv))
+            blocks.host_history(batch[i].blocks, batch[i].start_pos + 1, |history| {
+                (0..kv_heads).into_par_iter().map(|kv| attend_one_on_host(q, history, kv_heads, head_dim, kv)).collect()
             })
         })
         .collect();
-    let mut heads = heads.into_iter();
     let mut outputs = Vec::with_capacity(decoding.len());
-    for &(i, token) in decoding {
-        let sequence: Option<Vec<Vec<f32>>> = heads.by_ref().take(kv_heads).collect::<Result<_>>()?;
-        outputs.push(match sequence {
+    for (&(i, token), sequence) in decoding.iter().zip(sequences) {
+        outputs.push(match sequence? {
             Some(sequence) => Tensor::from_vec(sequence.concat(), (1, width), q.device())?,
             // Not f32 blocks on a CPU after all: the gathered form.
             None => {
