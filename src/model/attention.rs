@@ -2,8 +2,8 @@
 //! sequence's new tokens against its cached keys and values, with grouped-query heads.
 //!
 //! Two forms: [`attend`] over a history gathered into one tensor (prompts, and every step on a
-//! GPU), and [`attend_one_on_host`] for one new token on a CPU, which reads the paged cache's
-//! blocks in place. A decode step of a batch otherwise copies every sequence's whole history
+//! GPU), and, for one new token on a CPU, the kernel [`attend_one`], which reads the paged
+//! cache's blocks in place (`tpserve_kernels::attention`). A decode step of a batch otherwise copies every sequence's whole history
 //! per layer and runs two tiny matmuls through a general gemm: at 16 sequences those copies were
 //! a tenth of the step.
 
@@ -12,7 +12,9 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::SequenceInput;
-use super::paged::{HostBlock, LayerBlocks};
+use tpserve_kernels::attention::attend_one;
+
+use super::paged::LayerBlocks;
 use super::placement::Placement;
 
 /// Attention for every sequence of a step: writes each one's new keys and values `k`, `v`
@@ -76,7 +78,7 @@ fn attend_decoding_on_host(
         .map(|&(i, token)| {
             let q = &q_rows[token * width..(token + 1) * width];
             blocks.host_history(batch[i].blocks, batch[i].start_pos + 1, |history| {
-                (0..kv_heads).into_par_iter().map(|kv| attend_one_on_host(q, history, kv_heads, head_dim, kv)).collect()
+                (0..kv_heads).into_par_iter().map(|kv| attend_one(q, history, kv_heads, head_dim, kv)).collect()
             })
         })
         .collect();
@@ -125,66 +127,6 @@ pub fn attend(
     let probs = candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(compute)?;
     let out = probs.matmul(&values.contiguous()?)?; // [kv, group * n, hd]
     Ok(out.reshape((q_heads, n, head_dim))?.transpose(0, 1)?.reshape((n, q_heads * head_dim))?)
-}
-
-/// One new token's attention over its whole history (itself included), read in place from the
-/// cache blocks, for the query heads of KV head `kv`: q [q_heads * head_dim] f32 (query head h
-/// uses KV head h / (q_heads / kv_heads)); returns [q_heads / kv_heads * head_dim], those heads'
-/// outputs in order, so that the KV heads' results concatenated are the token's output. Computes
-/// what [`attend`] does for n = 1 (no mask: every cached position is visible), in f32, in
-/// another order of additions.
-pub fn attend_one_on_host(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
-    let q_heads = q.len() / head_dim;
-    let group = q_heads / kv_heads;
-    let total: usize = history.iter().map(|b| b.positions).sum();
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let mut out = vec![0f32; group * head_dim];
-    let mut probs = vec![0f32; total];
-    for g in 0..group {
-        let h = kv * group + g;
-        let q = &q[h * head_dim..(h + 1) * head_dim];
-        // scores[t] = q · k_t: a block's keys are [head_dim, block_size], so each query
-        // element scales one contiguous row of positions.
-        let mut t0 = 0;
-        for block in history {
-            let block_size = block.keys_t.len() / (kv_heads * head_dim);
-            let keys_t = &block.keys_t[kv * head_dim * block_size..(kv + 1) * head_dim * block_size];
-            let scores = &mut probs[t0..t0 + block.positions];
-            scores.fill(0.0);
-            for (d, &qd) in q.iter().enumerate() {
-                let keys = &keys_t[d * block_size..d * block_size + block.positions];
-                for (s, &k) in scores.iter_mut().zip(keys) {
-                    *s += qd * k;
-                }
-            }
-            t0 += block.positions;
-        }
-        // softmax(scores * scale), as candle's softmax_last_dim: exp(x - max) / sum
-        let max = probs.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-        let mut sum = 0f32;
-        for p in probs.iter_mut() {
-            *p = (*p * scale - max).exp();
-            sum += *p;
-        }
-        for p in probs.iter_mut() {
-            *p /= sum;
-        }
-        // out = Σ_t p_t v_t: a block's values are [block_size, head_dim], one row per position.
-        let out = &mut out[g * head_dim..(g + 1) * head_dim];
-        let mut t0 = 0;
-        for block in history {
-            let block_size = block.values.len() / (kv_heads * head_dim);
-            let values = &block.values[kv * block_size * head_dim..(kv + 1) * block_size * head_dim];
-            for (t, row) in values.chunks_exact(head_dim).take(block.positions).enumerate() {
-                let p = probs[t0 + t];
-                for (o, &v) in out.iter_mut().zip(row) {
-                    *o += p * v;
-                }
-            }
-            t0 += block.positions;
-        }
-    }
-    out
 }
 
 /// [n, total] f32: 0 where query i (at position start + i) may see key j, -inf elsewhere.
@@ -236,7 +178,7 @@ mod tests {
             let q_host = q.flatten_all()?.to_vec1::<f32>()?;
             let mut ours = Vec::new();
             for kv in 0..kv_heads {
-                let heads = layer.host_history(&table, total, |history| attend_one_on_host(&q_host, history, kv_heads, head_dim, kv))?;
+                let heads = layer.host_history(&table, total, |history| attend_one(&q_host, history, kv_heads, head_dim, kv))?;
                 ours.extend(heads.expect("f32 blocks on a CPU"));
             }
             let diff = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

@@ -10,7 +10,7 @@
 //! narrowed views had to be made contiguous anyway), so decode speed does not drop.
 //!
 //! A decode step on a CPU (one new token of a sequence, f32) skips that copy: attention reads
-//! the blocks where they are ([`LayerBlocks::host_history`], `attention::attend_one_on_host`).
+//! the blocks where they are ([`LayerBlocks::host_history`], `tpserve_kernels::attention`).
 //!
 //! A block's storage is allocated the first time it is written and kept for reuse, so a rank
 //! never holds more than the pool's `num_blocks` blocks, however the ids are reused.
@@ -178,14 +178,7 @@ impl LayerBlocks {
 }
 
 /// One cache block of a sequence's history, read in place on a CPU.
-pub struct HostBlock<'a> {
-    /// [kv_heads, head_dim, block_size], row-major
-    pub keys_t: &'a [f32],
-    /// [kv_heads, block_size, head_dim], row-major
-    pub values: &'a [f32],
-    /// how many of the block's positions belong to the history (all but in the last block)
-    pub positions: usize,
-}
+pub use tpserve_kernels::attention::HostBlock;
 
 /// The block table `first, first + 1, ...` for `positions` positions: for drivers that run
 /// sequences without a coordinator (eval-shard, the offline parity runs), which give each

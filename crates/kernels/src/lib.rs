@@ -4,12 +4,14 @@
 //!   portable), and the one place an instruction set is chosen ([`cpu_matmul::Isa`]).
 //! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
 //!   products with 8-bit activations ([`quant::kernels`]).
+//! - [`attention`]: one decoding token's attention, read in place from the paged KV cache.
 //!
 //! They live in a crate of their own so that the workspace compiles them with optimizations in
 //! every profile: unoptimized SIMD intrinsics run tens of times slower, which made the tests that
 //! decode a real model through these kernels take most of CI's time. The model layer wraps them
 //! (`tpserve::model::cpu_matmul`, `tpserve::model::quant`).
 
+pub mod attention;
 pub mod cpu_matmul;
 mod output;
 pub mod quant;

@@ -1,0 +1,290 @@
+//! One new token's attention over its cached history, read in place from the paged KV cache's
+//! blocks: the attention of a decode step on a CPU.
+//!
+//! A block holds `block_size` positions of every KV head: keys transposed, `[kv_heads, head_dim,
+//! block_size]`, so that one query element scales a contiguous run of positions, and values as
+//! `[kv_heads, block_size, head_dim]`, one row per position. The scores of a block are then a
+//! `[1, head_dim] x [head_dim, block_size]` product and the output a sum of value rows, both
+//! written here over fixed-width chunks that the compiler keeps in vector registers.
+//!
+//! The same Rust body is compiled once per instruction set ([`Isa`], chosen in one place): the
+//! portable build (SSE2 on x86-64) and AVX2 or AVX-512F builds of it. Every score is the sum over
+//! `d` in order of `q[d] * k[d]`, and every output element the sum over positions in order of
+//! `p * v`, each product rounded before its addition (no fused multiply-add), so every path
+//! returns the same bits.
+
+use crate::cpu_matmul::Isa;
+
+/// One cache block of a sequence's history.
+pub struct HostBlock<'a> {
+    /// [kv_heads, head_dim, block_size], row-major
+    pub keys_t: &'a [f32],
+    /// [kv_heads, block_size, head_dim], row-major
+    pub values: &'a [f32],
+    /// how many of the block's positions belong to the history (all but in the last block)
+    pub positions: usize,
+}
+
+/// Positions whose scores one chunk computes (a block of the default 16 positions is one chunk).
+const SCORE_CHUNK: usize = 16;
+/// Output elements one pass over the history accumulates.
+const OUT_CHUNK: usize = 64;
+
+/// The attention of one token against `history`, for the query heads of KV head `kv`: q is
+/// `[q_heads * head_dim]` (query head h uses KV head `h / (q_heads / kv_heads)`); returns
+/// `[q_heads / kv_heads * head_dim]`, those heads' outputs in order. No mask: every position of
+/// the history is visible.
+pub fn attend_one(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
+    attend_one_with(q, history, kv_heads, head_dim, kv, Isa::selected())
+}
+
+/// [`attend_one`] on a given path. Panics if the CPU does not have it.
+pub fn attend_one_with(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa) -> Vec<f32> {
+    assert!(isa.available(), "this CPU has no {isa:?} path");
+    assert!(head_dim > 0 && kv < kv_heads && q.len() % (head_dim * kv_heads) == 0, "q is not [q_heads * {head_dim}] for {kv_heads} KV heads");
+    match isa {
+        // SAFETY (both arms): the CPU has the features, asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::attend_avx2(q, history, kv_heads, head_dim, kv) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::attend_avx512(q, history, kv_heads, head_dim, kv) },
+        _ => attend(q, history, kv_heads, head_dim, kv),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::HostBlock;
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn attend_avx2(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
+        super::attend(q, history, kv_heads, head_dim, kv)
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn attend_avx512(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
+        super::attend(q, history, kv_heads, head_dim, kv)
+    }
+}
+
+/// The body every path compiles: per query head, the scores of every position, softmax, then
+/// the probability-weighted sum of the value rows.
+#[inline(always)]
+fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
+    let q_heads = q.len() / head_dim;
+    let group = q_heads / kv_heads;
+    let total: usize = history.iter().map(|b| b.positions).sum();
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let chunks = score_chunks(history, kv_heads, head_dim, kv);
+    let mut out = vec![0f32; group * head_dim];
+    let mut probs = vec![0f32; total];
+    for g in 0..group {
+        let h = kv * group + g;
+        let q = &q[h * head_dim..(h + 1) * head_dim];
+        scores(q, &chunks, &mut probs);
+        // softmax(scores * scale), as candle's softmax_last_dim: exp(x - max) / sum
+        let max = probs.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+        let mut sum = 0f32;
+        for p in probs.iter_mut() {
+            *p = (*p * scale - max).exp();
+            sum += *p;
+        }
+        for p in probs.iter_mut() {
+            *p /= sum;
+        }
+        weighted_values(&probs, history, kv_heads, head_dim, kv, &mut out[g * head_dim..(g + 1) * head_dim]);
+    }
+    out
+}
+
+/// Up to `SCORE_CHUNK` consecutive positions of one block, for one KV head.
+struct ScoreChunk<'a> {
+    /// the head's `[head_dim, block_size]` keys from the chunk's first position on
+    keys_t: &'a [f32],
+    block_size: usize,
+    /// the chunk's first position in the history
+    at: usize,
+    /// its positions in the history (fewer than `SCORE_CHUNK` at the end of a block)
+    len: usize,
+    /// whether `SCORE_CHUNK` positions are stored from the first on (a whole chunk of the
+    /// block's storage; past `len` they hold values whose scores are dropped)
+    whole: bool,
+}
+
+/// The history's positions as chunks, block by block.
+#[inline(always)]
+fn score_chunks<'a>(history: &[HostBlock<'a>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<ScoreChunk<'a>> {
+    let mut chunks = Vec::new();
+    let mut at = 0;
+    for block in history {
+        let block_size = block.keys_t.len() / (kv_heads * head_dim);
+        let keys_t = &block.keys_t[kv * head_dim * block_size..(kv + 1) * head_dim * block_size];
+        for s in (0..block.positions).step_by(SCORE_CHUNK) {
+            let len = (block.positions - s).min(SCORE_CHUNK);
+            chunks.push(ScoreChunk { keys_t: &keys_t[s..], block_size, at: at + s, len, whole: s + SCORE_CHUNK <= block_size });
+        }
+        at += block.positions;
+    }
+    chunks
+}
+
+/// `scores[t] = q . k_t` for every position: whole chunks four at a time (eight independent
+/// vector sums on AVX2, enough to hide the latency of each addition), the rest one by one.
+#[inline(always)]
+fn scores(q: &[f32], chunks: &[ScoreChunk<'_>], scores: &mut [f32]) {
+    let (whole, partial): (Vec<&ScoreChunk<'_>>, Vec<&ScoreChunk<'_>>) = chunks.iter().partition(|c| c.whole);
+    let mut quads = whole.chunks_exact(4);
+    for quad in quads.by_ref() {
+        let mut acc = [[0f32; SCORE_CHUNK]; 4];
+        for (d, &qd) in q.iter().enumerate() {
+            for (acc, chunk) in acc.iter_mut().zip(quad) {
+                let keys = &chunk.keys_t[d * chunk.block_size..d * chunk.block_size + SCORE_CHUNK];
+                for l in 0..SCORE_CHUNK {
+                    acc[l] += qd * keys[l];
+                }
+            }
+        }
+        for (acc, chunk) in acc.iter().zip(quad) {
+            scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
+        }
+    }
+    for chunk in quads.remainder() {
+        let mut acc = [0f32; SCORE_CHUNK];
+        for (d, &qd) in q.iter().enumerate() {
+            let keys = &chunk.keys_t[d * chunk.block_size..d * chunk.block_size + SCORE_CHUNK];
+            for l in 0..SCORE_CHUNK {
+                acc[l] += qd * keys[l];
+            }
+        }
+        scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
+    }
+    for chunk in partial {
+        for t in 0..chunk.len {
+            let mut acc = 0f32;
+            for (d, &qd) in q.iter().enumerate() {
+                acc += qd * chunk.keys_t[d * chunk.block_size + t];
+            }
+            scores[chunk.at + t] = acc;
+        }
+    }
+}
+
+/// `out = sum_t probs[t] * v_t` over the history's positions in order (v_t: KV head `kv`'s value
+/// row of position t), `OUT_CHUNK` output elements a pass.
+#[inline(always)]
+fn weighted_values(probs: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, out: &mut [f32]) {
+    #[inline(always)]
+    fn rows<'a>(block: &HostBlock<'a>, kv_heads: usize, head_dim: usize, kv: usize) -> impl Iterator<Item = &'a [f32]> {
+        let block_size = block.values.len() / (kv_heads * head_dim);
+        let values = &block.values[kv * block_size * head_dim..(kv + 1) * block_size * head_dim];
+        values.chunks_exact(head_dim).take(block.positions)
+    }
+    let mut c = 0;
+    while c + OUT_CHUNK <= head_dim {
+        let mut acc = [0f32; OUT_CHUNK];
+        let mut t = 0;
+        for block in history {
+            for row in rows(block, kv_heads, head_dim, kv) {
+                let (p, row) = (probs[t], &row[c..c + OUT_CHUNK]);
+                for l in 0..OUT_CHUNK {
+                    acc[l] += p * row[l];
+                }
+                t += 1;
+            }
+        }
+        out[c..c + OUT_CHUNK].copy_from_slice(&acc);
+        c += OUT_CHUNK;
+    }
+    if c < head_dim {
+        let mut t = 0;
+        for block in history {
+            for row in rows(block, kv_heads, head_dim, kv) {
+                for (o, &v) in out[c..].iter_mut().zip(&row[c..]) {
+                    *o += probs[t] * v;
+                }
+                t += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_values::values;
+
+    /// A history of `total` positions in blocks of `block_size` (the last one partly filled,
+    /// its unused positions holding values that must not count).
+    fn history_storage(kv_heads: usize, head_dim: usize, block_size: usize, total: usize) -> Vec<(Vec<f32>, Vec<f32>, usize)> {
+        (0..total.div_ceil(block_size))
+            .map(|b| {
+                let per_block = kv_heads * head_dim * block_size;
+                let positions = (total - b * block_size).min(block_size);
+                (values(per_block, 100 + b as u64), values(per_block, 200 + b as u64), positions)
+            })
+            .collect()
+    }
+
+    /// The definition in f64: softmax(q . k_t / sqrt(head_dim)) weighting the value rows.
+    fn reference(q: &[f32], blocks: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
+        let group = q.len() / head_dim / kv_heads;
+        let mut rows = Vec::new(); // (key, value) per position
+        for block in blocks {
+            let bs = block.keys_t.len() / (kv_heads * head_dim);
+            for t in 0..block.positions {
+                let key: Vec<f64> = (0..head_dim).map(|d| block.keys_t[(kv * head_dim + d) * bs + t] as f64).collect();
+                let value: Vec<f64> = (0..head_dim).map(|d| block.values[(kv * bs + t) * head_dim + d] as f64).collect();
+                rows.push((key, value));
+            }
+        }
+        let mut out = Vec::new();
+        for g in 0..group {
+            let q = &q[(kv * group + g) * head_dim..(kv * group + g + 1) * head_dim];
+            let scores: Vec<f64> =
+                rows.iter().map(|(k, _)| k.iter().zip(q).map(|(k, &q)| k * q as f64).sum::<f64>() / (head_dim as f64).sqrt()).collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            for d in 0..head_dim {
+                out.push((rows.iter().zip(&weights).map(|((_, v), w)| v[d] * w).sum::<f64>() / sum) as f32);
+            }
+        }
+        out
+    }
+
+    /// Every path this CPU has against the f64 definition, and every path the same bits as the
+    /// portable one: grouped heads, head sizes with and without a whole output chunk, block
+    /// sizes with and without a whole score chunk, partly filled last blocks.
+    #[test]
+    fn every_path_matches_the_definition_and_the_portable_bits() {
+        let mut ran = Vec::new();
+        for (kv_heads, q_heads, head_dim) in [(2, 6, 64), (1, 4, 128), (4, 4, 72), (2, 2, 8)] {
+            for block_size in [16, 32, 5] {
+                for total in [1, 7, 16, 17, 50] {
+                    let storage = history_storage(kv_heads, head_dim, block_size, total);
+                    let blocks: Vec<HostBlock<'_>> =
+                        storage.iter().map(|(k, v, positions)| HostBlock { keys_t: k, values: v, positions: *positions }).collect();
+                    let q = values(q_heads * head_dim, total as u64);
+                    for kv in 0..kv_heads {
+                        let expected = reference(&q, &blocks, kv_heads, head_dim, kv);
+                        let portable = attend_one_with(&q, &blocks, kv_heads, head_dim, kv, Isa::Portable);
+                        for (i, (got, want)) in portable.iter().zip(&expected).enumerate() {
+                            assert!((got - want).abs() < 1e-5, "head_dim {head_dim} block {block_size} total {total} kv {kv} [{i}]: {got} vs {want}");
+                        }
+                        for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
+                            assert_eq!(attend_one_with(&q, &blocks, kv_heads, head_dim, kv, isa), portable, "{isa:?}");
+                            if !ran.contains(&isa) {
+                                ran.push(isa);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!("attention paths tested: {ran:?} (selected: {:?})", Isa::selected());
+    }
+}
