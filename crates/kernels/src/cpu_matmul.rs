@@ -293,6 +293,16 @@ mod x86 {
                     let lines = ahead.len.div_ceil(64);
                     let rate = (lines << 16) / (k / $lanes).max(1);
                     let (mut due, mut issued) = (0usize, 0usize);
+                    // Issues the lines due after `due` (16.16) more.
+                    let mut prefetch = |more: usize| {
+                        due += more;
+                        while issued < lines && issued < (due >> 16) + 1 {
+                            // A prefetch never faults, and wrapping_add computes the address
+                            // without asserting that it is inside the weights.
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.start.wrapping_add(64 * issued));
+                            issued += 1;
+                        }
+                    };
                     // One step: the vectors at kk of every row into the accumulators.
                     let step = |acc: &mut [[_; TC]; TR], kk: usize| {
                         let mut xv = [$zero(); TC];
@@ -316,24 +326,13 @@ mod x86 {
                     // less time). One x row is bound by memory, where it made no difference.
                     let mut kk = 0;
                     while TC > 1 && kk + 2 * $lanes <= k {
-                        due += 2 * rate;
-                        while issued < lines && issued < (due >> 16) + 1 {
-                            // A prefetch never faults, and wrapping_add computes the address
-                            // without asserting that it is inside the weights.
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.start.wrapping_add(64 * issued));
-                            issued += 1;
-                        }
+                        prefetch(2 * rate);
                         step(&mut acc, kk);
                         step(&mut acc, kk + $lanes);
                         kk += 2 * $lanes;
                     }
                     while kk + $lanes <= k {
-                        due += rate;
-                        while issued < lines && issued < (due >> 16) + 1 {
-                            // As above.
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.start.wrapping_add(64 * issued));
-                            issued += 1;
-                        }
+                        prefetch(rate);
                         step(&mut acc, kk);
                         kk += $lanes;
                     }
