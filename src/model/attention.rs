@@ -2,18 +2,17 @@
 //! sequence's new tokens against its cached keys and values, with grouped-query heads.
 //!
 //! Two forms: [`attend`] over a history gathered into one tensor (prompts, and every step on a
-//! GPU), and, for one new token on a CPU, the kernel [`attend_one`], which reads the paged
-//! cache's blocks in place (`tpserve_kernels::attention`). A decode step of a batch otherwise copies every sequence's whole history
-//! per layer and runs two tiny matmuls through a general gemm: at 16 sequences those copies were
-//! a tenth of the step.
+//! GPU), and, for one new token on a CPU, the kernel [`attend_one`] (`tpserve_kernels::attention`),
+//! which reads the paged cache's blocks in place. A decode step of a batch otherwise copies every
+//! sequence's whole history per layer and runs two tiny matmuls through a general gemm: at 16
+//! sequences those copies were a tenth of the step.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
-
-use super::SequenceInput;
 use tpserve_kernels::attention::attend_one;
 
+use super::SequenceInput;
 use super::paged::LayerBlocks;
 use super::placement::Placement;
 
