@@ -41,7 +41,7 @@ pub fn attend_one(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_di
 /// [`attend_one`] on a given path. Panics if the CPU does not have it.
 pub fn attend_one_with(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa) -> Vec<f32> {
     assert!(isa.available(), "this CPU has no {isa:?} path");
-    assert!(head_dim > 0 && kv < kv_heads && q.len() % (head_dim * kv_heads) == 0, "q is not [q_heads * {head_dim}] for {kv_heads} KV heads");
+    assert!(head_dim > 0 && kv < kv_heads && q.len().is_multiple_of(head_dim * kv_heads), "q is not [q_heads * {head_dim}] for {kv_heads} KV heads");
     match isa {
         // SAFETY (both arms): the CPU has the features, asserted above.
         #[cfg(target_arch = "x86_64")]
@@ -110,22 +110,29 @@ struct ScoreChunk<'a> {
     at: usize,
     /// its positions in the history (fewer than `SCORE_CHUNK` at the end of a block)
     len: usize,
-    /// whether `SCORE_CHUNK` positions are stored from the first on (a whole chunk of the
-    /// block's storage; past `len` they hold values whose scores are dropped)
-    whole: bool,
 }
 
-/// The history's positions as chunks, block by block.
+/// The history's positions as chunks, block by block, made once for every query head of a KV
+/// head.
+struct ScoreChunks<'a> {
+    /// chunks with `SCORE_CHUNK` positions stored from the first on (a whole chunk of the
+    /// block's storage; past `len` they hold values whose scores are dropped)
+    whole: Vec<ScoreChunk<'a>>,
+    /// the others (blocks whose size is not a multiple of `SCORE_CHUNK`)
+    partial: Vec<ScoreChunk<'a>>,
+}
+
 #[inline(always)]
-fn score_chunks<'a>(history: &[HostBlock<'a>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<ScoreChunk<'a>> {
-    let mut chunks = Vec::new();
+fn score_chunks<'a>(history: &[HostBlock<'a>], kv_heads: usize, head_dim: usize, kv: usize) -> ScoreChunks<'a> {
+    let mut chunks = ScoreChunks { whole: Vec::new(), partial: Vec::new() };
     let mut at = 0;
     for block in history {
         let block_size = block.keys_t.len() / (kv_heads * head_dim);
         let keys_t = &block.keys_t[kv * head_dim * block_size..(kv + 1) * head_dim * block_size];
         for s in (0..block.positions).step_by(SCORE_CHUNK) {
             let len = (block.positions - s).min(SCORE_CHUNK);
-            chunks.push(ScoreChunk { keys_t: &keys_t[s..], block_size, at: at + s, len, whole: s + SCORE_CHUNK <= block_size });
+            let chunk = ScoreChunk { keys_t: &keys_t[s..], block_size, at: at + s, len };
+            if s + SCORE_CHUNK <= block_size { chunks.whole.push(chunk) } else { chunks.partial.push(chunk) }
         }
         at += block.positions;
     }
@@ -135,9 +142,8 @@ fn score_chunks<'a>(history: &[HostBlock<'a>], kv_heads: usize, head_dim: usize,
 /// `scores[t] = q . k_t` for every position: whole chunks four at a time (eight independent
 /// vector sums on AVX2, enough to hide the latency of each addition), the rest one by one.
 #[inline(always)]
-fn scores(q: &[f32], chunks: &[ScoreChunk<'_>], scores: &mut [f32]) {
-    let (whole, partial): (Vec<&ScoreChunk<'_>>, Vec<&ScoreChunk<'_>>) = chunks.iter().partition(|c| c.whole);
-    let mut quads = whole.chunks_exact(4);
+fn scores(q: &[f32], chunks: &ScoreChunks<'_>, scores: &mut [f32]) {
+    let mut quads = chunks.whole.chunks_exact(4);
     for quad in quads.by_ref() {
         let mut acc = [[0f32; SCORE_CHUNK]; 4];
         for (d, &qd) in q.iter().enumerate() {
@@ -162,7 +168,7 @@ fn scores(q: &[f32], chunks: &[ScoreChunk<'_>], scores: &mut [f32]) {
         }
         scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
     }
-    for chunk in partial {
+    for chunk in &chunks.partial {
         for t in 0..chunk.len {
             let mut acc = 0f32;
             for (d, &qd) in q.iter().enumerate() {

@@ -765,6 +765,42 @@ mod tests {
         }
     }
 
+    /// The x8 product of `bytes` (`[n, k]` of `dtype`) with `x` (`[m, k]`) on `path`, checked
+    /// element by element: a grouped row equals the portable reference bit for bit, `more(at,
+    /// i, j, got, reference, tail)` adds the caller's checks (`tail`: a row past the last whole
+    /// group, in row layout), a row's result is the same alone as in its batch, and it is within
+    /// the activation rounding of the dequantized product.
+    fn check_products(
+        dtype: GgmlDType,
+        path: Path,
+        (m, k, n): (usize, usize, usize),
+        bytes: &[u8],
+        x: &[f32],
+        at: &str,
+        more: impl Fn(&str, usize, usize, f32, f32, bool),
+    ) {
+        let packed = pack(dtype, n, k, bytes);
+        let mut wd = vec![0f32; n * k];
+        dequantize(dtype, bytes, &mut wd);
+        let got = matmul(x, m, k, dtype, &packed, n, path);
+        let reference = matmul(x, m, k, dtype, &packed, n, Path::Portable);
+        for i in 0..m {
+            let xi = &x[i * k..(i + 1) * k];
+            let alone = matmul(xi, 1, k, dtype, &packed, n, path);
+            for j in 0..n {
+                let (g, want) = (got[i * n + j], reference[i * n + j]);
+                let at = format!("{at} [{i},{j}]");
+                let tail = j >= n / GROUP * GROUP;
+                if !tail {
+                    assert_eq!(g.to_bits(), want.to_bits(), "{at}: {g} vs reference {want}");
+                }
+                more(&at, i, j, g, want, tail);
+                assert_eq!(g.to_bits(), alone[j].to_bits(), "{at}: batch {g} vs alone {}", alone[j]);
+                assert_within_activation_rounding(g, &wd[j * k..(j + 1) * k], xi, &at);
+            }
+        }
+    }
+
     /// Every path this CPU has equals the scalar reference bit for bit on the grouped rows, on
     /// every format and batch size (tail rows: to rounding); the reference is within activation rounding of the dequantized product; and
     /// a row's result is the same alone or in a batch.
@@ -776,29 +812,14 @@ mod tests {
             for dtype in FORMATS {
                 for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (9, 1536, 8)] {
                     let bytes = blocks(dtype, n, k, (m * k + n) as u64);
-                    let packed = pack(dtype, n, k, &bytes);
-                    let mut wd = vec![0f32; n * k];
-                    dequantize(dtype, &bytes, &mut wd);
                     let x = values(m * k, 7 + k as u64);
-                    let got = matmul(&x, m, k, dtype, &packed, n, path);
-                    let reference = matmul(&x, m, k, dtype, &packed, n, Path::Portable);
-                    for i in 0..m {
-                        let alone = matmul(&x[i * k..(i + 1) * k], 1, k, dtype, &packed, n, path);
-                        let xi = &x[i * k..(i + 1) * k];
-                        for j in 0..n {
-                            let g = got[i * n + j];
-                            let at = format!("{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]");
-                            let want = reference[i * n + j];
-                            if j < n / GROUP * GROUP {
-                                assert_eq!(g.to_bits(), want.to_bits(), "{at}: {g} vs reference {want}");
-                            } else {
-                                // a tail row, in row layout: the row kernels' own order
-                                assert!((g - want).abs() <= 1e-4 * (1.0 + want.abs()), "{at}: {g} vs reference {want}");
-                            }
-                            assert_eq!(g.to_bits(), alone[j].to_bits(), "{at}: batch {g} vs alone {}", alone[j]);
-                            assert_within_activation_rounding(g, &wd[j * k..(j + 1) * k], xi, &at);
+                    let at = format!("{path:?} {dtype:?} m{m} k{k} n{n}");
+                    check_products(dtype, path, (m, k, n), &bytes, &x, &at, |at, _, _, g, want, tail| {
+                        if tail {
+                            // a tail row, in row layout: the row kernels' own order
+                            assert!((g - want).abs() <= 1e-4 * (1.0 + want.abs()), "{at}: {g} vs reference {want}");
                         }
-                    }
+                    });
                 }
             }
         }
@@ -841,32 +862,16 @@ mod tests {
             let shapes = [(1, 256, 8), (1, 512, 37), (2, 768, 16), (3, 1280, 19), (4, 256, 24), (5, 512, 33), (6, 256, 8), (7, 512, 9), (8, 768, 15), (9, 2048, 17)];
             for &(m, k, n) in &shapes {
                 let bytes = blocks(dtype, n, k, (m * k + n) as u64);
-                let packed = pack(dtype, n, k, &bytes);
-                let mut wd = vec![0f32; n * k];
-                dequantize(dtype, &bytes, &mut wd);
                 let x = values(m * k, 5 + k as u64);
-                let got = matmul(&x, m, k, dtype, &packed, n, path);
-                let reference = matmul(&x, m, k, dtype, &packed, n, Path::Portable);
                 let rows_layout = kernels::matmul(&x, m, k, dtype, &bytes, n, Path::Portable);
-                for i in 0..m {
-                    let xi = &x[i * k..(i + 1) * k];
-                    let alone = matmul(xi, 1, k, dtype, &packed, n, path);
-                    for j in 0..n {
-                        let g = got[i * n + j];
-                        let at = format!("{path:?} m{m} k{k} n{n} [{i},{j}]");
-                        let want = reference[i * n + j];
-                        if j < n / GROUP * GROUP {
-                            assert_eq!(g.to_bits(), want.to_bits(), "{at}: {g} vs reference {want}");
-                        } else {
-                            assert_eq!(g.to_bits(), rows_layout[i * n + j].to_bits(), "{at}: a tail row is the row kernels' result");
-                        }
-                        // the row layout's sums, in another float order
-                        let r = rows_layout[i * n + j];
-                        assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{at}: {g} vs row layout {r}");
-                        assert_eq!(g.to_bits(), alone[j].to_bits(), "{at}: batch {g} vs alone {}", alone[j]);
-                        assert_within_activation_rounding(g, &wd[j * k..(j + 1) * k], xi, &at);
+                check_products(dtype, path, (m, k, n), &bytes, &x, &format!("{path:?} m{m} k{k} n{n}"), |at, i, j, g, _, tail| {
+                    let r = rows_layout[i * n + j];
+                    if tail {
+                        assert_eq!(g.to_bits(), r.to_bits(), "{at}: a tail row is the row kernels' result");
                     }
-                }
+                    // the row layout's sums, in another float order
+                    assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{at}: {g} vs row layout {r}");
+                });
             }
         }
         assert!(ran.contains(&Path::Portable));
