@@ -122,6 +122,11 @@ impl Model {
     }
 
     pub fn weight_bytes(&self) -> usize {
+        self.weight_tensors().iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+
+    /// Every tensor that holds a weight of this shard (a tied LM head once).
+    pub fn weight_tensors(&self) -> Vec<&Tensor> {
         let mut all = self.embed.weight().tensors();
         all.push(self.norm.weight());
         if !self.config.tie_word_embeddings {
@@ -130,7 +135,7 @@ impl Model {
         for layer in &self.layers {
             all.extend(layer.weights());
         }
-        all.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+        all
     }
 
     /// Bytes one more token adds to a sequence's cache on this rank. Linear-attention layers

@@ -172,11 +172,31 @@ impl Model {
         }
         let loader =
             ShardLoader::new(files, options.device.clone(), compute, progress).with_matmul_dtype(matmul).with_quant(quant);
-        match config.family {
+        let model = match config.family {
             ModelFamily::Qwen3 | ModelFamily::Llama => qwen3::load(&loader, group, &config),
             ModelFamily::Qwen3Moe => qwen3_moe::load(&loader, group, &config),
             ModelFamily::Qwen3_5 | ModelFamily::Qwen3_5Moe => qwen3_5::load(&loader, group, &config),
+        }?;
+        if options.device.is_cpu() {
+            model.back_with_huge_pages();
         }
+        Ok(model)
+    }
+
+    /// Moves the weights into 2 MiB pages where the OS allows it: decode streams them every
+    /// step, a few percent faster than from 4 KiB pages (`tpserve_kernels::pages`).
+    fn back_with_huge_pages(&self) {
+        let mut done = tpserve_kernels::pages::HugePages::default();
+        for t in self.weight_tensors() {
+            done += tpserve_kernels::pages::back_with_huge_pages(t);
+        }
+        let mib = |bytes: usize| bytes >> 20;
+        tracing::info!(
+            advised_mib = mib(done.advised),
+            collapsed_mib = mib(done.collapsed),
+            weights_mib = mib(self.weight_bytes()),
+            "weights in 2 MiB pages"
+        );
     }
 
     /// Runs one step for a batch of sequences, creating caches for new sequences, and returns

@@ -5,6 +5,7 @@
 //! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
 //!   products with 8-bit activations ([`quant::kernels`]).
 //! - [`attention`]: one decoding token's attention, read in place from the paged KV cache.
+//! - [`pages`]: loaded weights moved into 2 MiB pages, which the kernels stream faster.
 //!
 //! They live in a crate of their own so that the workspace compiles them with optimizations in
 //! every profile: unoptimized SIMD intrinsics run tens of times slower, which made the tests that
@@ -14,6 +15,7 @@
 pub mod attention;
 pub mod cpu_matmul;
 mod output;
+pub mod pages;
 pub mod quant;
 
 /// Deterministic test inputs shared by the quantized formats' and kernels' tests.
