@@ -320,11 +320,14 @@ fn quantized_gguf_matches_llama_cpp_and_stays_close_to_the_f32_path() {
     // interleaved rows: one exact integer sum per block; TP 3: row-parallel sums all-reduced),
     // and 8-bit activations turn such rounding into whole quantization steps, so each run is
     // another draw of the quantization noise measured above. Where one parts from TP 1, TP 1's
-    // margin between the two choices must lie within that noise (a wrong kernel or slice errs by
-    // whole logits at once, from the first steps).
+    // margin between the two choices must lie within that noise. A wrong kernel or slice errs by
+    // whole logits at once, from the first steps: llama.cpp, whose logits this test does not
+    // have, must agree for the first four steps; TP 3's own prompt logits are held to the f32
+    // path's below, so it may part anywhere within the noise (the first step is a near tie:
+    // the f32 path's margin there is 0.08).
     let (tp1_ids, _) = eval_shard_dtype(path, &prompt_ids, 1, 32, "auto");
     let tp1_rows = tpserve::rank::offline::teacher_forced(&quantized, 1, &prompt_ids, &tp1_ids).unwrap().unwrap();
-    let parts_within_noise = |label: &str, other: &[u32]| {
+    let parts_within_noise = |label: &str, other: &[u32], first_step: usize| {
         let Some(step) = other.iter().zip(&tp1_ids).position(|(a, b)| a != b) else {
             eprintln!("SmolLM2 Q4_1 quantized: {label}'s 32 greedy ids equal TP 1's");
             return;
@@ -334,13 +337,13 @@ fn quantized_gguf_matches_llama_cpp_and_stays_close_to_the_f32_path() {
             "SmolLM2 Q4_1 quantized: {label}'s ids equal TP 1's for {step} steps, then {} where TP 1 has {}: TP 1's margin between them is {margin:.4} (quantization noise: {diff:.3})",
             other[step], tp1_ids[step]
         );
-        assert!(step >= 4 && margin < diff, "{label} parts from TP 1 at step {step} with a margin of {margin}");
+        assert!(step >= first_step && margin < diff, "{label} parts from TP 1 at step {step} with a margin of {margin}");
     };
-    parts_within_noise("llama.cpp on the same file", &llama_ids);
+    parts_within_noise("llama.cpp on the same file", &llama_ids, 4);
 
     let (tp3_ids, tp3_logits) = eval_shard_dtype(path, &prompt_ids, 3, 32, "auto");
     let tp3_diff = common::max_abs_diff(&tp3_logits, &want[0]);
     eprintln!("SmolLM2 Q4_1 quantized TP 3: prompt logits max |diff| against f32 = {tp3_diff:.3e}");
     assert!(tp3_diff < 3.0, "TP 3 prompt logits against f32: {tp3_diff}");
-    parts_within_noise("TP 3", &tp3_ids);
+    parts_within_noise("TP 3", &tp3_ids, 0);
 }

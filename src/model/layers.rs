@@ -8,6 +8,7 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 
 use super::SequenceInput;
+use super::activation::swiglu;
 use super::attention::attend_batch;
 use super::loader::ShardLoader;
 use super::paged::LayerBlocks;
@@ -218,8 +219,8 @@ impl Mlp {
 
     /// [tokens, hidden] -> [tokens, hidden], summed over ranks.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let parts = self.gate_up.forward_split(x)?;
-        let activated = (candle_nn::ops::silu(&parts[0])? * &parts[1])?;
+        // gate and up are fused in that order, each this rank's slice of the intermediate size
+        let activated = swiglu(&self.gate_up.forward(x)?)?;
         self.down.forward(&activated)
     }
 }

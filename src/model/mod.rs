@@ -3,6 +3,7 @@
 //! One file per model family; every family is written against [`parallel`] and [`loader`], so
 //! the same code runs at any TP size and on any device.
 
+pub mod activation;
 pub mod attention;
 pub mod cache;
 pub mod compute_pool;

@@ -11,6 +11,7 @@ use anyhow::{Result, bail};
 use candle_core::{DType, Tensor};
 use serde_json::Value;
 
+use super::activation::swiglu;
 use super::config::Fields;
 use super::loader::ShardLoader;
 use super::parallel::TpGroup;
@@ -111,9 +112,7 @@ impl ExpertSlice {
 
     /// x [tokens, hidden] -> this rank's partial [tokens, hidden]
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let local = self.down.dim(1)?;
-        let gate_up = linear(x, &self.gate_up)?;
-        let activated = (candle_nn::ops::silu(&gate_up.narrow(1, 0, local)?)? * gate_up.narrow(1, local, local)?)?;
+        let activated = swiglu(&linear(x, &self.gate_up)?)?; // gate_up holds gate then up
         linear(&activated, &self.down)
     }
 }

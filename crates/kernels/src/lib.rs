@@ -4,6 +4,7 @@
 //!   portable), and the one place an instruction set is chosen ([`cpu_matmul::Isa`]).
 //! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
 //!   products with 8-bit activations ([`quant::kernels`]).
+//! - [`activation`]: SwiGLU's `silu(gate) * up` in one pass, with an 8-lane exponential.
 //! - [`attention`]: one decoding token's attention, read in place from the paged KV cache.
 //! - [`pages`]: loaded weights moved into 2 MiB pages, which the kernels stream faster.
 //!
@@ -12,6 +13,7 @@
 //! decode a real model through these kernels take most of CI's time. The model layer wraps them
 //! (`tpserve::model::cpu_matmul`, `tpserve::model::quant`).
 
+pub mod activation;
 pub mod attention;
 pub mod cpu_matmul;
 mod output;
