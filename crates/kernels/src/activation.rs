@@ -10,7 +10,8 @@
 //! it serves (test). libm's `expf` is correctly rounded, so a result may differ from candle's by
 //! an ulp or two; it is the same computation otherwise, `x / (1 + exp(-x)) * up`. Every path
 //! runs the same operations in the same order (separate multiplies and adds, no FMA), so every
-//! path returns the same bits (test).
+//! path returns the same bits (test). Decode attention's softmax uses the same exponential
+//! ([`exp_in_place`]).
 
 use anyhow::Result;
 use candle_core::{DType, Storage, Tensor};
@@ -55,16 +56,18 @@ pub fn silu_mul_with(gate_up: &Tensor, isa: Isa) -> Result<Option<Tensor>> {
     Ok(Some(Tensor::from_vec(silu_mul_rows(values, fused / 2, isa), (rows, fused / 2), gate_up.device())?))
 }
 
-/// The rows of `gate_up` (each `width` gate values then `width` up values) activated.
+/// The rows of `gate_up` (each `width` gate values then `width` up values) activated. Panics if
+/// the CPU does not have the path.
 pub fn silu_mul_rows(gate_up: &[f32], width: usize, isa: Isa) -> Vec<f32> {
+    assert!(isa.available(), "this CPU has no {isa:?} path");
     assert!(width > 0 && gate_up.len() % (2 * width) == 0, "{} values are not rows of 2 x {width}", gate_up.len());
     let mut out = vec![0f32; gate_up.len() / 2];
     out.par_chunks_mut(ROWS_PER_TASK * width).zip(gate_up.par_chunks(ROWS_PER_TASK * 2 * width)).for_each(|(out, rows)| {
         for (out, row) in out.chunks_exact_mut(width).zip(rows.chunks_exact(2 * width)) {
             let (gate, up) = row.split_at(width);
             match isa {
-                // SAFETY: `isa` is available (asserted above), and the three slices have `width`
-                // elements each.
+                // SAFETY: `isa` is available (asserted above; every CPU with AVX-512F has AVX2),
+                // and the three slices have `width` elements each.
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 | Isa::Avx512 => unsafe { x86::silu_mul_avx2(gate, up, out) },
                 _ => silu_mul_portable(gate, up, out),
@@ -72,6 +75,25 @@ pub fn silu_mul_rows(gate_up: &[f32], width: usize, isa: Isa) -> Vec<f32> {
         }
     });
     out
+}
+
+/// `values[i] = exp(values[i])` with the exponential of this module (the softmax of decode
+/// attention): every path the same bits.
+/// Panics if the CPU does not have the path.
+pub fn exp_in_place(values: &mut [f32], isa: Isa) {
+    assert!(isa.available(), "this CPU has no {isa:?} path");
+    match isa {
+        // SAFETY: the CPU has the path (asserted above), and every CPU with AVX-512F has AVX2.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => unsafe { x86::exp_in_place_avx2(values) },
+        _ => exp_in_place_portable(values),
+    }
+}
+
+fn exp_in_place_portable(values: &mut [f32]) {
+    for v in values {
+        *v = exp(*v);
+    }
 }
 
 /// The scalar reference, and the portable path: every SIMD path matches it bit for bit.
@@ -122,6 +144,23 @@ mod x86 {
         let y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0));
         let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
         _mm256_mul_ps(y, _mm256_castsi256_ps(scale))
+    }
+
+    /// [`super::exp_in_place`] eight lanes at a time, the tail through the portable path.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn exp_in_place_avx2(values: &mut [f32]) {
+        let whole = values.len() / 8 * 8;
+        for i in (0..whole).step_by(8) {
+            // SAFETY: i + 8 <= whole <= values.len(); unaligned loads and stores are allowed.
+            unsafe {
+                let p = values.as_mut_ptr().add(i);
+                _mm256_storeu_ps(p, exp256(_mm256_loadu_ps(p)));
+            }
+        }
+        super::exp_in_place_portable(&mut values[whole..]);
     }
 
     /// [`super::silu_mul_portable`] eight lanes at a time, the tail through it.
@@ -196,6 +235,20 @@ mod tests {
                 let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{isa:?} differs from the portable path at width {width}");
             }
+        }
+    }
+
+    #[test]
+    fn exp_in_place_is_the_same_on_every_path() {
+        let values: Vec<f32> = (0..1003).map(|i| i as f32 * 0.173 - 90.0).chain([f32::NEG_INFINITY, 0.0, -0.0]).collect();
+        let mut reference = values.clone();
+        exp_in_place(&mut reference, Isa::Portable);
+        assert!(values.iter().zip(&reference).all(|(&x, &e)| e.to_bits() == exp(x).to_bits()));
+        assert_eq!(reference[reference.len() - 3..], [exp(EXP_MIN), 1.0, 1.0]);
+        for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
+            let mut got = values.clone();
+            exp_in_place(&mut got, isa);
+            assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?}");
         }
     }
 
