@@ -88,6 +88,9 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     let q_heads = q.len() / head_dim;
     let group = q_heads / kv_heads;
     let total: usize = history.iter().map(|b| b.positions).sum();
+    if total == 0 {
+        return vec![0f32; group * head_dim]; // nothing to attend to (never so in a decode step)
+    }
     let scale = 1.0 / (head_dim as f32).sqrt();
     let head_q = |g: usize| &q[(kv * group + g) * head_dim..(kv * group + g + 1) * head_dim];
     let chunks = score_chunks(history, kv_heads, head_dim, kv);
@@ -100,8 +103,8 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     for (g, probs) in probs.chunks_exact_mut(total).enumerate() {
         partial_scores(head_q(g), &chunks.partial, probs);
         // softmax(scores * scale), as candle's softmax_last_dim: exp(x - max) / sum, with the
-        // 8-lane exponential of `activation` (libm's, one position at a time, was an eighth of
-        // a decode step at 2,048 positions)
+        // 8-lane exponential of `activation` (with libm's, one position at a time, this kernel
+        // took 20.7-22.1 ms over 12 layers of 4 x 2,048 positions, against 16.4-20.9)
         let max = probs.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
         for p in probs.iter_mut() {
             *p = *p * scale - max;
