@@ -95,10 +95,42 @@ fn attend_decoding_on_host(
     Ok(outputs)
 }
 
+/// Query rows a prompt's attention takes at a time on a CPU (see [`attend`]).
+const QUERY_ROWS_PER_PASS: usize = 128;
+
 /// Causal scaled-dot-product attention of one sequence against its cached history.
 /// q [q_heads, n, hd]; keys_t [kv_heads, hd, total] (transposed, as the paged cache gathers
 /// them); values [kv_heads, total, hd]; returns [n, q_heads * hd].
+///
+/// On a CPU a long prompt goes [`QUERY_ROWS_PER_PASS`] query rows at a time, each against only
+/// the positions those rows may see: the scores of a 2,048-token prompt were a [heads, 2048,
+/// 2048] tensor per layer (200 MB, newly faulted in, then masked, softmaxed and copied), half of
+/// it masked out. The rows' results are those of one pass up to the order of additions (the
+/// positions dropped had probability 0).
 pub fn attend(
+    q: &Tensor,
+    keys_t: &Tensor,
+    values: &Tensor,
+    start_pos: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<Tensor> {
+    let n = q.dim(1)?;
+    if n <= QUERY_ROWS_PER_PASS || Placement::of(q.device()) != Placement::Host {
+        return attend_rows(q, keys_t, values, start_pos, kv_heads, head_dim);
+    }
+    let mut parts = Vec::with_capacity(n.div_ceil(QUERY_ROWS_PER_PASS));
+    for first in (0..n).step_by(QUERY_ROWS_PER_PASS) {
+        let rows = QUERY_ROWS_PER_PASS.min(n - first);
+        let visible = start_pos + first + rows; // the last row's position, plus one
+        let (keys_t, values) = (keys_t.narrow(2, 0, visible)?, values.narrow(1, 0, visible)?);
+        parts.push(attend_rows(&q.narrow(1, first, rows)?, &keys_t, &values, start_pos + first, kv_heads, head_dim)?);
+    }
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// [`attend`] in one pass over every query row.
+fn attend_rows(
     q: &Tensor,
     keys_t: &Tensor,
     values: &Tensor,
@@ -182,6 +214,26 @@ mod tests {
             }
             let diff = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(diff < 1e-5, "total {total}: max |diff| {diff}");
+        }
+        Ok(())
+    }
+
+    /// A long prompt taken in passes of query rows, each against the positions it may see,
+    /// equals one pass over every row: a whole prompt, and a later chunk of one.
+    #[test]
+    fn a_long_prompt_in_passes_equals_one_pass() -> Result<()> {
+        let device = Device::Cpu;
+        let (kv_heads, q_heads, head_dim) = (2, 6, 16);
+        for (n, start) in [(2 * QUERY_ROWS_PER_PASS + 37, 0), (QUERY_ROWS_PER_PASS + 1, 300)] {
+            let total = start + n;
+            let q = Tensor::randn(0f32, 1.0, (q_heads, n, head_dim), &device)?;
+            let keys_t = Tensor::randn(0f32, 1.0, (kv_heads, head_dim, total), &device)?;
+            let values = Tensor::randn(0f32, 1.0, (kv_heads, total, head_dim), &device)?;
+            let passes = attend(&q, &keys_t, &values, start, kv_heads, head_dim)?;
+            let one = attend_rows(&q, &keys_t, &values, start, kv_heads, head_dim)?;
+            assert_eq!(passes.dims(), one.dims());
+            let diff = (passes - one)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "n {n}, start {start}: max |diff| {diff}");
         }
         Ok(())
     }
