@@ -185,8 +185,10 @@ impl Model {
     }
 
     /// Moves the weights into 2 MiB pages where the OS allows it: decode streams them every
-    /// step, a few percent faster than from 4 KiB pages (`tpserve_kernels::pages`).
+    /// step, a few percent faster than from 4 KiB pages (`tpserve_kernels::pages`). The kernel
+    /// copies each page to do so, which the load pays (logged with the time it took).
     fn back_with_huge_pages(&self) {
+        let started = std::time::Instant::now();
         let mut done = tpserve_kernels::pages::HugePages::default();
         for t in self.weight_tensors() {
             done += tpserve_kernels::pages::back_with_huge_pages(t);
@@ -196,6 +198,7 @@ impl Model {
             advised_mib = mib(done.advised),
             collapsed_mib = mib(done.collapsed),
             weights_mib = mib(self.weight_bytes()),
+            seconds = started.elapsed().as_secs_f64(),
             "weights in 2 MiB pages"
         );
     }
