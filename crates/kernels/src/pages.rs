@@ -36,9 +36,10 @@ impl std::ops::AddAssign for HugePages {
     }
 }
 
-/// Whether huge pages are asked for (`TPSERVE_HUGE_PAGES` is not `off`).
+/// Whether huge pages are asked for (`TPSERVE_HUGE_PAGES` is not `off`; read once).
 pub fn enabled() -> bool {
-    std::env::var("TPSERVE_HUGE_PAGES").map_or(true, |v| v != "off")
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("TPSERVE_HUGE_PAGES").map_or(true, |v| v != "off"))
 }
 
 /// Asks the kernel to hold the CPU tensor `t`'s elements in 2 MiB pages (see the module note).
