@@ -1,16 +1,20 @@
 //! The attention kernel every family uses: causal scaled-dot-product attention of one
 //! sequence's new tokens against its cached keys and values, with grouped-query heads.
 //!
-//! Two forms: [`attend`] over a history gathered into one tensor (prompts, and every step on a
-//! GPU), and, for one new token on a CPU, the kernel [`attend_one`] (`tpserve_kernels::attention`),
-//! which reads the paged cache's blocks in place. A decode step of a batch otherwise copies every
-//! sequence's whole history per layer and runs two tiny matmuls through a general gemm: at 16
-//! sequences those copies were a tenth of the step.
+//! Two forms: [`attend`] over a history gathered into one tensor (every step on a GPU), and, on
+//! a CPU, the kernel [`attend_one`] (`tpserve_kernels::attention`), which reads the paged
+//! cache's blocks in place, one query row at a time. A decode step of a batch otherwise copies
+//! every sequence's whole history per layer and runs two tiny matmuls through a general gemm: at
+//! 16 sequences those copies were a tenth of the step. A prompt's rows go through the same
+//! kernel, each against the positions it may see: through gemm, a 2,048-token prompt's attention
+//! was half its prefill, most of it spent on masked scores, large temporaries and their page
+//! faults, and a scalar softmax. One row's arithmetic is then the same in a prompt as in a decode
+//! step.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
-use tpserve_kernels::attention::attend_one;
+use tpserve_kernels::attention::{HostBlock, attend_one};
 
 use super::SequenceInput;
 use super::paged::LayerBlocks;
@@ -21,8 +25,8 @@ use super::placement::Placement;
 /// q [q_heads, tokens, head_dim], the sequences' tokens in batch order; returns [tokens,
 /// q_heads * head_dim].
 ///
-/// On a CPU a sequence with one new token (decode) reads its history in place, after all of
-/// the step's writes; the others (prompts, and every sequence on a GPU) gather theirs.
+/// On a CPU every sequence reads its history in place, after all of the step's writes; on a GPU
+/// each gathers its own.
 pub fn attend_batch(
     q: &Tensor,
     k: &Tensor,
@@ -32,16 +36,16 @@ pub fn attend_batch(
     kv_heads: usize,
     head_dim: usize,
 ) -> Result<Tensor> {
-    let host_decode = Placement::of(q.device()) == Placement::Host && q.dtype() == DType::F32;
+    let on_host = Placement::of(q.device()) == Placement::Host && q.dtype() == DType::F32;
     let mut outputs: Vec<Option<Tensor>> = Vec::with_capacity(batch.len());
-    let mut decoding = Vec::new(); // (index in batch, token index)
+    let mut in_place = Vec::new(); // (index in batch, its first token's index)
     let mut offset = 0;
     for (i, seq) in batch.iter().enumerate() {
         let n = seq.tokens.len();
         let (k, v) = (k.narrow(1, offset, n)?, v.narrow(1, offset, n)?);
-        if host_decode && n == 1 {
+        if on_host {
             blocks.write(seq.blocks, seq.start_pos, &k, &v)?;
-            decoding.push((i, offset));
+            in_place.push((i, offset));
             outputs.push(None);
         } else {
             let (keys_t, values) = blocks.append(seq.blocks, seq.start_pos, &k, &v)?;
@@ -49,9 +53,9 @@ pub fn attend_batch(
         }
         offset += n;
     }
-    if !decoding.is_empty() {
-        let decoded = attend_decoding_on_host(q, &decoding, batch, blocks, kv_heads, head_dim)?;
-        for ((i, _), out) in decoding.into_iter().zip(decoded) {
+    if !in_place.is_empty() {
+        let attended = attend_on_host(q, &in_place, batch, blocks, kv_heads, head_dim)?;
+        for ((i, _), out) in in_place.into_iter().zip(attended) {
             outputs[i] = Some(out);
         }
     }
@@ -59,12 +63,13 @@ pub fn attend_batch(
     Ok(Tensor::cat(&outputs, 0)?)
 }
 
-/// The decoding sequences of a step (index in `batch`, token index in `q`), whose keys and
-/// values are written: one task per sequence, and within it one per KV head, so that a single
-/// sequence uses every core too. Returns each one's [1, q_heads * head_dim].
-fn attend_decoding_on_host(
+/// The sequences of a step (index in `batch`, first token's index in `q`) whose keys and
+/// values are written, read in place: one task per query row, each against the positions it may
+/// see, and within it one per KV head, so that a single decoding sequence uses every core too.
+/// Returns each sequence's [tokens, q_heads * head_dim].
+fn attend_on_host(
     q: &Tensor,
-    decoding: &[(usize, usize)],
+    sequences: &[(usize, usize)],
     batch: &[SequenceInput<'_>],
     blocks: &LayerBlocks,
     kv_heads: usize,
@@ -72,27 +77,52 @@ fn attend_decoding_on_host(
 ) -> Result<Vec<Tensor>> {
     let width = q.dim(0)? * head_dim;
     let q_rows = q.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?; // [tokens, q_heads, head_dim]
-    let sequences: Vec<Result<Option<Vec<Vec<f32>>>>> = decoding
+    let attended: Vec<Result<Option<Vec<f32>>>> = sequences
         .par_iter()
-        .map(|&(i, token)| {
-            let q = &q_rows[token * width..(token + 1) * width];
-            blocks.host_history(batch[i].blocks, batch[i].start_pos + 1, |history| {
-                (0..kv_heads).into_par_iter().map(|kv| attend_one(q, history, kv_heads, head_dim, kv)).collect()
+        .map(|&(i, first)| {
+            let (n, start) = (batch[i].tokens.len(), batch[i].start_pos);
+            blocks.host_history(batch[i].blocks, start + n, |history| {
+                let rows: Vec<Vec<f32>> = (0..n)
+                    .into_par_iter()
+                    .map(|r| {
+                        let q = &q_rows[(first + r) * width..(first + r + 1) * width];
+                        let visible = visible_prefix(history, start + r + 1);
+                        let heads: Vec<Vec<f32>> = (0..kv_heads).into_par_iter().map(|kv| attend_one(q, &visible, kv_heads, head_dim, kv)).collect();
+                        heads.concat()
+                    })
+                    .collect();
+                rows.concat()
             })
         })
         .collect();
-    let mut outputs = Vec::with_capacity(decoding.len());
-    for (&(i, token), sequence) in decoding.iter().zip(sequences) {
+    let mut outputs = Vec::with_capacity(sequences.len());
+    for (&(i, first), sequence) in sequences.iter().zip(attended) {
+        let n = batch[i].tokens.len();
         outputs.push(match sequence? {
-            Some(sequence) => Tensor::from_vec(sequence.concat(), (1, width), q.device())?,
+            Some(rows) => Tensor::from_vec(rows, (n, width), q.device())?,
             // Not f32 blocks on a CPU after all: the gathered form.
             None => {
-                let (keys_t, values) = blocks.gather(batch[i].blocks, batch[i].start_pos + 1)?;
-                attend(&q.narrow(1, token, 1)?, &keys_t, &values, batch[i].start_pos, kv_heads, head_dim)?
+                let (keys_t, values) = blocks.gather(batch[i].blocks, batch[i].start_pos + n)?;
+                attend(&q.narrow(1, first, n)?, &keys_t, &values, batch[i].start_pos, kv_heads, head_dim)?
             }
         });
     }
     Ok(outputs)
+}
+
+/// The first `positions` positions of `history` (causal attention: what one query row sees).
+fn visible_prefix<'a>(history: &[HostBlock<'a>], positions: usize) -> Vec<HostBlock<'a>> {
+    let mut visible = Vec::with_capacity(history.len());
+    let mut left = positions;
+    for block in history {
+        if left == 0 {
+            break;
+        }
+        let taken = block.positions.min(left);
+        visible.push(HostBlock { positions: taken, ..*block });
+        left -= taken;
+    }
+    visible
 }
 
 /// Query rows a prompt's attention takes at a time on a CPU (see [`attend`]).
@@ -102,10 +132,11 @@ const QUERY_ROWS_PER_PASS: usize = 128;
 /// q [q_heads, n, hd]; keys_t [kv_heads, hd, total] (transposed, as the paged cache gathers
 /// them); values [kv_heads, total, hd]; returns [n, q_heads * hd].
 ///
-/// On a CPU a long prompt goes [`QUERY_ROWS_PER_PASS`] query rows at a time, each against only
-/// the positions those rows may see: the scores of a 2,048-token prompt were a [heads, 2048,
-/// 2048] tensor per layer (200 MB, newly faulted in, then masked, softmaxed and copied), half of
-/// it masked out. The rows' results are those of one pass up to the order of additions (the
+/// A CPU's f32 cache is read in place instead ([`attend_batch`]). Any other cache on a CPU takes
+/// a long prompt [`QUERY_ROWS_PER_PASS`] query rows at a time, each against only the positions
+/// those rows may see: in one pass, the scores of a 2,048-token prompt are a [heads, 2048, 2048]
+/// tensor per layer (200 MB, newly faulted in, then masked, softmaxed and copied), half of it
+/// masked out. The rows' results are those of one pass up to the order of additions (the
 /// positions dropped had probability 0).
 pub fn attend(
     q: &Tensor,
@@ -214,6 +245,51 @@ mod tests {
             }
             let diff = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(diff < 1e-5, "total {total}: max |diff| {diff}");
+        }
+        Ok(())
+    }
+
+    /// A step's sequences read in place on a CPU (one query row at a time, each against the
+    /// positions it may see) equal the gathered form, to f32 rounding: a whole prompt, a later
+    /// chunk of one with a partly filled last block, and a decoding sequence, in one batch.
+    #[test]
+    fn a_batch_read_in_place_equals_the_gathered_form() -> Result<()> {
+        let device = Device::Cpu;
+        let (kv_heads, q_heads, head_dim, block_size) = (2, 6, 16, 4);
+        // (tokens, start): the earlier positions were written by an earlier step
+        let shapes = [(37usize, 0usize), (9, 14), (1, 22)];
+        let mut pool = BlockPool::new(64, block_size);
+        let tables: Vec<Vec<u32>> = vec![(0..10).collect(), (20..26).rev().collect(), (40..46).collect()];
+        let tokens: Vec<Vec<u32>> = shapes.iter().map(|&(n, _)| vec![1; n]).collect();
+        let batch: Vec<SequenceInput<'_>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(_, start))| SequenceInput::new(i as u64, &tokens[i], start, true, &tables[i]))
+            .collect();
+        let layer = pool.layer_mut(0);
+        let all = |n| -> Result<(Tensor, Tensor)> {
+            Ok((Tensor::randn(0f32, 1.0, (kv_heads, n, head_dim), &device)?, Tensor::randn(0f32, 1.0, (kv_heads, n, head_dim), &device)?))
+        };
+        let mut new_kv = Vec::new();
+        for (i, &(n, start)) in shapes.iter().enumerate() {
+            let (keys, values) = all(start + n)?;
+            if start > 0 {
+                layer.write(&tables[i], 0, &keys.narrow(1, 0, start)?, &values.narrow(1, 0, start)?)?;
+            }
+            new_kv.push((keys.narrow(1, start, n)?, values.narrow(1, start, n)?));
+        }
+        let tokens_total: usize = shapes.iter().map(|&(n, _)| n).sum();
+        let q = Tensor::randn(0f32, 1.0, (q_heads, tokens_total, head_dim), &device)?;
+        let k = Tensor::cat(&new_kv.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>(), 1)?;
+        let v = Tensor::cat(&new_kv.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(), 1)?;
+        let ours = attend_batch(&q, &k, &v, &batch, layer, kv_heads, head_dim)?;
+        let mut offset = 0;
+        for (i, &(n, start)) in shapes.iter().enumerate() {
+            let (keys_t, values) = layer.gather(&tables[i], start + n)?;
+            let expected = attend_rows(&q.narrow(1, offset, n)?, &keys_t, &values, start, kv_heads, head_dim)?;
+            let diff = (ours.narrow(0, offset, n)? - expected)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "sequence {i} ({n} tokens from {start}): max |diff| {diff}");
+            offset += n;
         }
         Ok(())
     }

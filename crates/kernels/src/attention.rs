@@ -30,8 +30,9 @@ pub struct HostBlock<'a> {
 
 /// Positions whose scores one chunk computes (a block of the default 16 positions is one chunk).
 const SCORE_CHUNK: usize = 16;
-/// Output elements one pass over the history accumulates.
-const OUT_CHUNK: usize = 64;
+/// Query heads whose outputs one pass over the values accumulates: each value row is read once
+/// for up to this many heads of a group.
+const HEADS_PER_PASS: usize = 4;
 
 /// The attention of one token against `history`, for the query heads of KV head `kv`: q is
 /// `[q_heads * head_dim]` (query head h uses KV head `h / (q_heads / kv_heads)`); returns
@@ -105,12 +106,13 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
         // softmax(scores * scale), as candle's softmax_last_dim: exp(x - max) / sum, with the
         // 8-lane exponential of `activation` (with libm's, one position at a time, this kernel
         // took 20.7-22.1 ms over 12 layers of 4 x 2,048 positions, against 16.4-20.9)
-        let max = probs.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
+        let max = lanes(probs, f32::NEG_INFINITY, |m, s| m.max(s * scale)).into_iter().fold(f32::NEG_INFINITY, f32::max);
         for p in probs.iter_mut() {
             *p = *p * scale - max;
         }
         exp_in_place(probs, isa);
-        let sum = probs.iter().fold(0f32, |sum, &p| sum + p);
+        let [a, b, c, d, e, f, g, h] = lanes(probs, 0.0, |sum, p| sum + p);
+        let sum = ((a + e) + (c + g)) + ((b + f) + (d + h));
         for p in probs.iter_mut() {
             *p /= sum;
         }
@@ -125,12 +127,31 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
             positions += history[end].positions;
             end += 1;
         }
-        for (g, out) in out.chunks_exact_mut(head_dim).enumerate() {
-            add_weighted_values(&probs[g * total + at..g * total + at + positions], &history[first..end], kv_heads, head_dim, kv, out);
+        for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
+            let g = heads * HEADS_PER_PASS;
+            let probs: Vec<&[f32]> = (g..g + out.len() / head_dim).map(|g| &probs[g * total + at..g * total + at + positions]).collect();
+            add_weighted_values(&probs, &history[first..end], kv_heads, head_dim, kv, out);
         }
         (first, at) = (end, at + positions);
     }
     out
+}
+
+/// `values` folded into eight lanes, value i into lane i % 8: eight independent chains (vector
+/// lanes) rather than one long scalar one, in an order every path shares.
+#[inline(always)]
+fn lanes(values: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; 8] {
+    let mut lanes = [init; 8];
+    let mut chunks = values.chunks_exact(8);
+    for chunk in chunks.by_ref() {
+        for l in 0..8 {
+            lanes[l] = f(lanes[l], chunk[l]);
+        }
+    }
+    for (lane, &v) in lanes.iter_mut().zip(chunks.remainder()) {
+        *lane = f(*lane, v);
+    }
+    lanes
 }
 
 /// Up to `SCORE_CHUNK` consecutive positions of one block, for one KV head.
@@ -178,29 +199,39 @@ fn score_chunks<'a>(history: &[HostBlock<'a>], kv_heads: usize, head_dim: usize,
 fn whole_scores(q: &[f32], whole: &[ScoreChunk<'_>], scores: &mut [f32]) {
     let mut quads = whole.chunks_exact(4);
     for quad in quads.by_ref() {
-        let mut acc = [[0f32; SCORE_CHUNK]; 4];
-        for (d, &qd) in q.iter().enumerate() {
-            for (acc, chunk) in acc.iter_mut().zip(quad) {
-                let keys = &chunk.keys_t[d * chunk.block_size..d * chunk.block_size + SCORE_CHUNK];
-                for l in 0..SCORE_CHUNK {
-                    acc[l] += qd * keys[l];
-                }
-            }
-        }
+        let acc = chunk_scores::<4>(q, [&quad[0], &quad[1], &quad[2], &quad[3]]);
         for (acc, chunk) in acc.iter().zip(quad) {
             scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
         }
     }
     for chunk in quads.remainder() {
-        let mut acc = [0f32; SCORE_CHUNK];
-        for (d, &qd) in q.iter().enumerate() {
-            let keys = &chunk.keys_t[d * chunk.block_size..d * chunk.block_size + SCORE_CHUNK];
-            for l in 0..SCORE_CHUNK {
-                acc[l] += qd * keys[l];
-            }
-        }
+        let [acc] = chunk_scores::<1>(q, [chunk]);
         scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
     }
+}
+
+/// The `SCORE_CHUNK` scores of each of `C` whole chunks: `acc[c][l] = sum_d q[d] * k[d][l]`,
+/// in order of `d`.
+#[inline(always)]
+fn chunk_scores<const C: usize>(q: &[f32], chunks: [&ScoreChunk<'_>; C]) -> [[f32; SCORE_CHUNK]; C] {
+    let head_dim = q.len();
+    // Each chunk's rows, checked once: row d is `SCORE_CHUNK` elements from `d * block_size`.
+    let keys: [&[f32]; C] = chunks.map(|c| &c.keys_t[..(head_dim.max(1) - 1) * c.block_size + SCORE_CHUNK]);
+    let strides = chunks.map(|c| c.block_size);
+    let mut at = [0usize; C];
+    let mut acc = [[0f32; SCORE_CHUNK]; C];
+    for &qd in q {
+        for c in 0..C {
+            // SAFETY: for d < head_dim, at[c] = d * block_size and at[c] + SCORE_CHUNK <=
+            // (head_dim - 1) * block_size + SCORE_CHUNK = keys[c].len().
+            let k = unsafe { keys[c].get_unchecked(at[c]..at[c] + SCORE_CHUNK) };
+            for l in 0..SCORE_CHUNK {
+                acc[c][l] += qd * k[l];
+            }
+            at[c] += strides[c];
+        }
+    }
+    acc
 }
 
 /// `scores[t] = q . k_t` for the positions of the other chunks, one position at a time.
@@ -217,39 +248,67 @@ fn partial_scores(q: &[f32], partial: &[ScoreChunk<'_>], scores: &mut [f32]) {
     }
 }
 
-/// `out += sum_t probs[t] * v_t` over the positions of `history` in order (v_t: KV head `kv`'s
-/// value row of position t), continuing the sums already in `out`, `OUT_CHUNK` output elements a
-/// pass.
+/// `out[h] += sum_t probs[h][t] * v_t` for up to [`HEADS_PER_PASS`] heads h of a group, over
+/// the positions of `history` in order (v_t: KV head `kv`'s value row of position t), continuing
+/// the sums already in `out` ([heads, head_dim]).
 #[inline(always)]
-fn add_weighted_values(probs: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, out: &mut [f32]) {
+fn add_weighted_values(probs: &[&[f32]], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, out: &mut [f32]) {
+    // Wide enough runs of output elements to keep eight vector sums going on AVX2.
+    match probs.len() {
+        1 => heads_values::<1, 64>(probs, history, kv_heads, head_dim, kv, out),
+        2 => heads_values::<2, 32>(probs, history, kv_heads, head_dim, kv, out),
+        3 => heads_values::<3, 16>(probs, history, kv_heads, head_dim, kv, out),
+        _ => heads_values::<4, 16>(probs, history, kv_heads, head_dim, kv, out),
+    }
+}
+
+/// [`add_weighted_values`] for `H` heads, `W` output elements of each at a time; every output
+/// element is the same sum in the same order whatever `H` and `W`.
+#[inline(always)]
+fn heads_values<const H: usize, const W: usize>(
+    probs: &[&[f32]],
+    history: &[HostBlock<'_>],
+    kv_heads: usize,
+    head_dim: usize,
+    kv: usize,
+    out: &mut [f32],
+) {
     #[inline(always)]
     fn rows<'a>(block: &HostBlock<'a>, kv_heads: usize, head_dim: usize, kv: usize) -> impl Iterator<Item = &'a [f32]> {
         let block_size = block.values.len() / (kv_heads * head_dim);
         let values = &block.values[kv * block_size * head_dim..(kv + 1) * block_size * head_dim];
         values.chunks_exact(head_dim).take(block.positions)
     }
+    let probs: [&[f32]; H] = std::array::from_fn(|h| probs[h]);
     let mut c = 0;
-    while c + OUT_CHUNK <= head_dim {
-        let mut acc: [f32; OUT_CHUNK] = out[c..c + OUT_CHUNK].try_into().expect("OUT_CHUNK elements");
+    while c + W <= head_dim {
+        let mut acc: [[f32; W]; H] = std::array::from_fn(|h| out[h * head_dim + c..h * head_dim + c + W].try_into().expect("W elements"));
         let mut t = 0;
         for block in history {
             for row in rows(block, kv_heads, head_dim, kv) {
-                let (p, row) = (probs[t], &row[c..c + OUT_CHUNK]);
-                for l in 0..OUT_CHUNK {
-                    acc[l] += p * row[l];
+                let row: &[f32; W] = row[c..c + W].try_into().expect("W elements");
+                for h in 0..H {
+                    let p = probs[h][t];
+                    for l in 0..W {
+                        acc[h][l] += p * row[l];
+                    }
                 }
                 t += 1;
             }
         }
-        out[c..c + OUT_CHUNK].copy_from_slice(&acc);
-        c += OUT_CHUNK;
+        for (h, acc) in acc.iter().enumerate() {
+            out[h * head_dim + c..h * head_dim + c + W].copy_from_slice(acc);
+        }
+        c += W;
     }
     if c < head_dim {
         let mut t = 0;
         for block in history {
             for row in rows(block, kv_heads, head_dim, kv) {
-                for (o, &v) in out[c..].iter_mut().zip(&row[c..]) {
-                    *o += probs[t] * v;
+                for h in 0..H {
+                    for (o, &v) in out[h * head_dim + c..(h + 1) * head_dim].iter_mut().zip(&row[c..]) {
+                        *o += probs[h][t] * v;
+                    }
                 }
                 t += 1;
             }
@@ -302,12 +361,13 @@ mod tests {
     }
 
     /// Every path this CPU has against the f64 definition, and every path the same bits as the
-    /// portable one: grouped heads, head sizes with and without a whole output chunk, block
-    /// sizes with and without a whole score chunk, partly filled last blocks.
+    /// portable one: groups of 1 to 8 heads (passes of up to four, and what is left), head sizes
+    /// with and without a whole output chunk, block sizes with and without a whole score chunk,
+    /// partly filled last blocks.
     #[test]
     fn every_path_matches_the_definition_and_the_portable_bits() {
         let mut ran = Vec::new();
-        for (kv_heads, q_heads, head_dim) in [(2, 6, 64), (1, 4, 128), (4, 4, 72), (2, 2, 8)] {
+        for (kv_heads, q_heads, head_dim) in [(2, 6, 64), (1, 4, 128), (4, 4, 72), (2, 2, 8), (1, 7, 40), (2, 16, 32)] {
             for block_size in [16, 32, 5] {
                 for total in [1, 7, 16, 17, 50, POSITIONS_PER_PASS + 37] {
                     let storage = history_storage(kv_heads, head_dim, block_size, total);
