@@ -273,6 +273,33 @@ mod x86 {
         /// `out_stride >= rw` writable f32; `rw` is 1 or [`RW`], `1 <= rx <= Self::RX`.
         #[allow(clippy::too_many_arguments)]
         unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize);
+        /// `out[i] = ` bf16 `bits[i]` widened to f32 (exact), for i below both lengths.
+        ///
+        /// # Safety
+        /// The CPU has the path's features.
+        unsafe fn widen_rows(bits: &[u16], out: &mut [f32]);
+    }
+
+    /// [`Simd::widen_rows`] a vector at a time (`$lanes` values through `$widen`), the tail one
+    /// by one.
+    macro_rules! widen_rows_fn {
+        ($name:ident, $feature:literal, $lanes:expr, $widen:ident, $store:ident) => {
+            /// # Safety
+            /// As [`Simd::widen_rows`].
+            #[target_feature(enable = $feature)]
+            unsafe fn $name(bits: &[u16], out: &mut [f32]) {
+                let n = bits.len().min(out.len());
+                let mut i = 0;
+                while i + $lanes <= n {
+                    // SAFETY: elements i..i + $lanes of both slices exist (i + $lanes <= n).
+                    unsafe { $store(out.as_mut_ptr().add(i), $widen(bits.as_ptr().add(i))) };
+                    i += $lanes;
+                }
+                for (o, &b) in out[i..n].iter_mut().zip(&bits[i..n]) {
+                    *o = super::widen(b);
+                }
+            }
+        };
     }
 
     macro_rules! tile_fn {
@@ -418,12 +445,17 @@ mod x86 {
     }
 
     tile_fn!(tile256, "avx2,fma", 8, zero256, load256, widen256, fma256, hsum256);
+    widen_rows_fn!(widen_rows256, "avx2,fma", 8, widen256, _mm256_storeu_ps);
 
     impl Simd for Avx2 {
         const RX: usize = 3;
         unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
             unsafe { dispatch!(tile256, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3]) }
+        }
+        unsafe fn widen_rows(bits: &[u16], out: &mut [f32]) {
+            // SAFETY: forwarded from the caller's contract.
+            unsafe { widen_rows256(bits, out) }
         }
     }
 
@@ -468,6 +500,7 @@ mod x86 {
     }
 
     tile_fn!(tile512, "avx512f", 16, zero512, load512, widen512, fma512, hsum512);
+    widen_rows_fn!(widen_rows512, "avx512f", 16, widen512, _mm512_storeu_ps);
 
     impl Simd for Avx512 {
         const RX: usize = 4;
@@ -475,13 +508,20 @@ mod x86 {
             // SAFETY: forwarded from the caller's contract.
             unsafe { dispatch!(tile512, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3, 4]) }
         }
+        unsafe fn widen_rows(bits: &[u16], out: &mut [f32]) {
+            // SAFETY: forwarded from the caller's contract.
+            unsafe { widen_rows512(bits, out) }
+        }
     }
 
     /// One task's weight rows (the first is row `first` of the matrix) against every x row,
     /// into their columns of `out`. The tiles read f32 weights in place. bf16 weights are read
     /// in place too when there are at most `S::RX` x rows (one tile column: each weight vector
-    /// is widened once anyway); with more, each group of `RW` weight rows is widened once into an
-    /// f32 scratch block (in L1) and reused for every group of x rows.
+    /// is widened once anyway); with more, each group of `RW` weight rows is widened once, a
+    /// vector at a time ([`Simd::widen_rows`]), into an f32 scratch block (in L1) and reused for
+    /// every group of x rows. (The scalar widening was a fifth of a 16-row bf16 step's samples;
+    /// vectorised, the step took 1.03-1.26x less time at 8 to 32 rows, alternating in one
+    /// process.)
     ///
     /// # Safety
     /// The CPU has the features of path `S`; `out` is `[m, n]` with `first + rows <= n`, and
@@ -496,9 +536,8 @@ mod x86 {
             let rw = if rows - j >= RW { RW } else { 1 };
             let (bf16, tile_w) = match w {
                 Rows::Bf16(bits) if widen_once => {
-                    for (dst, &b) in scratch.iter_mut().zip(&bits[j * k..(j + rw) * k]) {
-                        *dst = super::widen(b);
-                    }
+                    // SAFETY: the CPU has S's features (this function's contract).
+                    unsafe { S::widen_rows(&bits[j * k..(j + rw) * k], &mut scratch) };
                     (false, scratch.as_ptr().cast::<u8>())
                 }
                 Rows::Bf16(bits) => (true, bits[j * k..].as_ptr().cast::<u8>()),
@@ -622,6 +661,27 @@ mod tests {
                 for (k, n) in SHAPES {
                     check(isa, DType::F32, m, k, n);
                 }
+            }
+        }
+    }
+
+    /// Widening a run of bf16 weights a vector at a time gives the scalar widening's bits, on
+    /// every path this CPU has, for runs on and off whole vectors (every bit pattern of a u16
+    /// sampled, NaNs and infinities included).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn widening_bf16_rows_is_exact_on_every_path_this_cpu_has() {
+        use x86::Simd;
+        let bits: Vec<u16> = (0..4099u32).map(|i| (i.wrapping_mul(40503) >> 3) as u16).collect();
+        let want: Vec<u32> = bits.iter().map(|&b| widen(b).to_bits()).collect();
+        let paths: [(Isa, unsafe fn(&[u16], &mut [f32])); 2] = [(Isa::Avx2, x86::Avx2::widen_rows), (Isa::Avx512, x86::Avx512::widen_rows)];
+        for (isa, widen_rows) in paths.into_iter().filter(|(isa, _)| isa.available()) {
+            for len in [0, 1, 7, 8, 15, 16, 17, 33, 4099] {
+                let mut out = vec![0f32; len];
+                // SAFETY: the CPU has the path (filtered above).
+                unsafe { widen_rows(&bits[..len], &mut out) };
+                let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want[..len], "{isa:?}, {len} values");
             }
         }
     }
