@@ -5,7 +5,8 @@
 //! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
 //!   products with 8-bit activations ([`quant::kernels`]).
 //! - [`activation`]: SwiGLU's `silu(gate) * up` in one pass, with an 8-lane exponential.
-//! - [`attention`]: one decoding token's attention, read in place from the paged KV cache.
+//! - [`attention`]: one query row's attention (a decode step's token or a prompt's row), read in
+//!   place from the paged KV cache.
 //! - [`pages`]: loaded weights moved into 2 MiB pages, which the kernels stream faster.
 //!
 //! They live in a crate of their own so that the workspace compiles them with optimizations in
