@@ -390,21 +390,25 @@ impl ShardLoader {
         let inner_bytes: usize = shape[dim + 1..].iter().product::<usize>() * element_bytes;
         let data = view.data();
         let selected: usize = ranges.iter().map(|r| r.end - r.start).sum();
-        let mut bytes = Vec::with_capacity(outer * selected * inner_bytes);
+        let mut parts = Vec::with_capacity(outer * ranges.len());
         for block in 0..outer {
             let block_start = block * shape[dim] * inner_bytes;
             for range in ranges {
-                bytes.extend_from_slice(
-                    &data[block_start + range.start * inner_bytes..block_start + range.end * inner_bytes],
-                );
+                parts.push(&data[block_start + range.start * inner_bytes..block_start + range.end * inner_bytes]);
             }
         }
+        let bytes = outer * selected * inner_bytes;
         let mut out_shape = shape.clone();
         out_shape[dim] = selected;
-        let tensor = Tensor::from_raw_buffer(&bytes, dtype, &out_shape, &self.device)
-            .with_context(|| format!("cannot build tensor \"{full_name}\""))?
-            .to_dtype(target)?;
-        self.progress.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let tensor = match (dtype == target && self.device.is_cpu(), dtype) {
+            (true, DType::F32) => host_tensor::<f32>(&parts, bytes, &out_shape),
+            (true, DType::BF16) => host_tensor::<half::bf16>(&parts, bytes, &out_shape),
+            (true, DType::F16) => host_tensor::<half::f16>(&parts, bytes, &out_shape),
+            _ => Tensor::from_raw_buffer(&parts.concat(), dtype, &out_shape, &self.device).map_err(anyhow::Error::from),
+        }
+        .with_context(|| format!("cannot build tensor \"{full_name}\""))?
+        .to_dtype(target)?;
+        self.progress.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         self.progress.tensors.fetch_add(1, Ordering::Relaxed);
         Ok(tensor)
     }
@@ -441,6 +445,31 @@ impl ShardLoader {
         self.progress.tensors.fetch_add(1, Ordering::Relaxed);
         Ok(out)
     }
+}
+
+/// A CPU tensor of `shape` holding `parts` one after the other (`bytes` in all, little-endian
+/// `T`s, as safetensors stores them), written into memory advised for 2 MiB pages before its
+/// first write: the page faults then take huge pages at once, where moving the weights into
+/// them after the load would copy every page (`tpserve_kernels::pages`).
+fn host_tensor<T: candle_core::WithDType>(parts: &[&[u8]], bytes: usize, shape: &[usize]) -> Result<Tensor> {
+    let size = std::mem::size_of::<T>();
+    if parts.iter().map(|p| p.len()).sum::<usize>() != bytes || !bytes.is_multiple_of(size) {
+        bail!("{bytes} bytes do not make whole {size}-byte elements of the parts given");
+    }
+    let mut values: Vec<T> = Vec::with_capacity(bytes / size);
+    tpserve_kernels::pages::advise_unwritten(values.spare_capacity_mut());
+    let dst = values.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+    let mut at = 0;
+    for part in parts {
+        // SAFETY: the parts hold `bytes` bytes in all (checked above), the capacity reserved,
+        // so each copy stays inside it; source and destination are different allocations.
+        unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), dst.add(at), part.len()) };
+        at += part.len();
+    }
+    // SAFETY: all bytes / size elements were written just above, and the element types used
+    // here (f32, bf16, f16) are valid for any bits.
+    unsafe { values.set_len(bytes / size) };
+    Ok(Tensor::from_vec(values, shape, &Device::Cpu)?)
 }
 
 /// Splits `0..len` into `world_size` contiguous parts of `ceil(len / world_size)` and returns

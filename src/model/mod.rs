@@ -185,8 +185,10 @@ impl Model {
     }
 
     /// Moves the weights into 2 MiB pages where the OS allows it: decode streams them every
-    /// step, a few percent faster than from 4 KiB pages (`tpserve_kernels::pages`). The kernel
-    /// copies each page to do so, which the load pays (logged with the time it took).
+    /// step, a few percent faster than from 4 KiB pages (`tpserve_kernels::pages`). Weights the
+    /// loader copied from the checkpoint in their own dtype are in them already (advised before
+    /// the copy); the kernel copies the others' pages now, which the load pays (logged with the
+    /// time it took).
     fn back_with_huge_pages(&self) {
         let started = std::time::Instant::now();
         let mut done = tpserve_kernels::pages::HugePages::default();
