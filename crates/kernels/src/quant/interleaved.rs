@@ -213,7 +213,11 @@ pub fn pack(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8>
     let groups = rows / GROUP;
     // a group-block has the bytes of its eight blocks
     let gbytes = GROUP * ts;
-    let mut out = vec![0u8; bytes.len()];
+    // Advised for 2 MiB pages before the zeros are written (`pages`): a resident weight, read
+    // every step, that the load need not copy into huge pages afterwards.
+    let mut out = Vec::with_capacity(bytes.len());
+    crate::pages::advise_unwritten(out.spare_capacity_mut());
+    out.resize(bytes.len(), 0u8);
     let (grouped, tail) = out.split_at_mut(groups * GROUP * rb);
     grouped.par_chunks_mut(GROUP * rb.max(1)).enumerate().for_each(|(g, out)| {
         for b in 0..blocks {
