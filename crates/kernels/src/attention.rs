@@ -131,9 +131,8 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
             end += 1;
         }
         for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
-            let g = heads * HEADS_PER_PASS;
-            let probs: Vec<&[f32]> = (g..g + out.len() / head_dim).map(|g| &probs[g * total + at..g * total + at + positions]).collect();
-            add_weighted_values(&probs, &history[first..end], kv_heads, head_dim, kv, out);
+            let probs = &probs[heads * HEADS_PER_PASS * total..];
+            add_weighted_values(probs, total, at..at + positions, &history[first..end], kv_heads, head_dim, kv, out);
         }
         (first, at) = (end, at + positions);
     }
@@ -251,17 +250,29 @@ fn partial_scores(q: &[f32], partial: &[ScoreChunk<'_>], scores: &mut [f32]) {
     }
 }
 
-/// `out[h] += sum_t probs[h][t] * v_t` for up to [`HEADS_PER_PASS`] heads h of a group, over
-/// the positions of `history` in order (v_t: KV head `kv`'s value row of position t), continuing
-/// the sums already in `out` ([heads, head_dim]).
+/// `out[h] += sum_t p_h[t] * v_t` for up to [`HEADS_PER_PASS`] heads h of a group, over the
+/// positions of `history` in order (v_t: KV head `kv`'s value row of position t), continuing the
+/// sums already in `out` ([heads, head_dim]); head h's probabilities for those positions are
+/// `p_h = probs[h * stride..][run]`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn add_weighted_values(probs: &[&[f32]], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, out: &mut [f32]) {
+fn add_weighted_values(
+    probs: &[f32],
+    stride: usize,
+    run: std::ops::Range<usize>,
+    history: &[HostBlock<'_>],
+    kv_heads: usize,
+    head_dim: usize,
+    kv: usize,
+    out: &mut [f32],
+) {
+    let head = |h: usize| &probs[h * stride + run.start..h * stride + run.end];
     // Wide enough runs of output elements to keep eight vector sums going on AVX2.
-    match probs.len() {
-        1 => heads_values::<1, 64>(probs, history, kv_heads, head_dim, kv, out),
-        2 => heads_values::<2, 32>(probs, history, kv_heads, head_dim, kv, out),
-        3 => heads_values::<3, 16>(probs, history, kv_heads, head_dim, kv, out),
-        _ => heads_values::<4, 16>(probs, history, kv_heads, head_dim, kv, out),
+    match out.len() / head_dim {
+        1 => heads_values::<1, 64>([head(0)], history, kv_heads, head_dim, kv, out),
+        2 => heads_values::<2, 32>([head(0), head(1)], history, kv_heads, head_dim, kv, out),
+        3 => heads_values::<3, 16>([head(0), head(1), head(2)], history, kv_heads, head_dim, kv, out),
+        _ => heads_values::<4, 16>([head(0), head(1), head(2), head(3)], history, kv_heads, head_dim, kv, out),
     }
 }
 
@@ -269,7 +280,7 @@ fn add_weighted_values(probs: &[&[f32]], history: &[HostBlock<'_>], kv_heads: us
 /// element is the same sum in the same order whatever `H` and `W`.
 #[inline(always)]
 fn heads_values<const H: usize, const W: usize>(
-    probs: &[&[f32]],
+    probs: [&[f32]; H],
     history: &[HostBlock<'_>],
     kv_heads: usize,
     head_dim: usize,
@@ -282,7 +293,6 @@ fn heads_values<const H: usize, const W: usize>(
         let values = &block.values[kv * block_size * head_dim..(kv + 1) * block_size * head_dim];
         values.chunks_exact(head_dim).take(block.positions)
     }
-    let probs: [&[f32]; H] = std::array::from_fn(|h| probs[h]);
     let mut c = 0;
     while c + W <= head_dim {
         let mut acc: [[f32; W]; H] = std::array::from_fn(|h| out[h * head_dim + c..h * head_dim + c + W].try_into().expect("W elements"));

@@ -70,7 +70,7 @@ pub fn advise_unwritten<T>(spare: &mut [std::mem::MaybeUninit<T>]) -> usize {
     // SAFETY: the pointer and length describe memory `spare` borrows; the slice of bytes is
     // only used for its address range, never read.
     let bytes = unsafe { std::slice::from_raw_parts(spare.as_ptr().cast::<u8>(), std::mem::size_of_val(spare)) };
-    mark(bytes)
+    mark(bytes).1
 }
 
 fn as_bytes<T: Copy>(values: &[T]) -> &[u8] {
@@ -87,26 +87,25 @@ fn whole_huge_pages(bytes: &[u8]) -> (usize, usize) {
     (first, end.saturating_sub(first))
 }
 
-/// `MADV_HUGEPAGE` on the whole huge pages inside `bytes`: the bytes marked.
+/// `MADV_HUGEPAGE` on the whole huge pages inside `bytes`: (first address, bytes marked).
 #[cfg(target_os = "linux")]
-fn mark(bytes: &[u8]) -> usize {
+fn mark(bytes: &[u8]) -> (usize, usize) {
     let (first, len) = whole_huge_pages(bytes);
     if len == 0 || !enabled() {
-        return 0;
+        return (first, 0);
     }
     // SAFETY: [first, first + len) lies inside `bytes`, memory this process owns and keeps
     // mapped while the borrow lasts. The advice marks the range and changes nothing it holds.
     let marked = unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_HUGEPAGE) } == 0;
-    if marked { len } else { 0 }
+    (first, if marked { len } else { 0 })
 }
 
 #[cfg(target_os = "linux")]
 fn advise(bytes: &[u8]) -> HugePages {
-    let len = mark(bytes);
+    let (first, len) = mark(bytes);
     if len == 0 {
         return HugePages::default();
     }
-    let (first, _) = whole_huge_pages(bytes);
     // SAFETY: as in `mark`. COLLAPSE copies the range's pages into huge pages under the kernel's
     // locks, the contents unchanged; on pages already huge it has nothing to do.
     let collapsed = unsafe { libc::madvise(first as *mut libc::c_void, len, libc::MADV_COLLAPSE) } == 0;
@@ -114,8 +113,8 @@ fn advise(bytes: &[u8]) -> HugePages {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn mark(_bytes: &[u8]) -> usize {
-    0
+fn mark(_bytes: &[u8]) -> (usize, usize) {
+    (0, 0)
 }
 
 #[cfg(not(target_os = "linux"))]
