@@ -36,7 +36,8 @@ pub enum Path {
     Portable,
     /// AVX2 + FMA + F16C: `vpmaddubsw` / `vpmaddwd`.
     Avx2,
-    /// AVX-512 VNNI (with VL): `vpdpbusd` on 256-bit vectors.
+    /// AVX-512 VNNI (with BW and VL): `vpdpbusd`, on 512-bit vectors for two interleaved groups
+    /// at once ([`super::interleaved`]) and on 256-bit ones elsewhere.
     Avx512Vnni,
 }
 
@@ -56,6 +57,7 @@ impl Path {
             Path::Avx512Vnni => {
                 Path::Avx2.available()
                     && std::is_x86_feature_detected!("avx512f")
+                    && std::is_x86_feature_detected!("avx512bw")
                     && std::is_x86_feature_detected!("avx512vl")
                     && std::is_x86_feature_detected!("avx512vnni")
             }
@@ -92,12 +94,15 @@ pub struct ActQ8 {
     pub d: Vec<f32>,
     pub s: Vec<f32>,
     pub qs: Vec<i8>,
+    /// Each block's sum of `qs` (so `s[b] = d[b] * sums[b]`): the 512-bit Q8_0 product
+    /// multiplies `w + 128` and takes `128 * sums[b]` back off, exactly.
+    pub sums: Vec<i32>,
 }
 
 /// Q8_0-style quantization of `x` (a multiple of 32 values), scales kept in f32.
 pub fn quantize_act(x: &[f32]) -> ActQ8 {
     let blocks = x.len() / QK;
-    let mut act = ActQ8 { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), qs: vec![0; x.len()] };
+    let mut act = ActQ8 { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), qs: vec![0; x.len()], sums: Vec::with_capacity(blocks) };
     for (values, qs) in x.chunks_exact(QK).zip(act.qs.chunks_exact_mut(QK)) {
         let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
@@ -109,6 +114,7 @@ pub fn quantize_act(x: &[f32]) -> ActQ8 {
         }
         act.d.push(d);
         act.s.push(d * sum as f32);
+        act.sums.push(sum);
     }
     act
 }
