@@ -7,7 +7,7 @@
 //! RAYON_NUM_THREADS, like candle's) and each task computes register tiles of `RW` weight rows
 //! against up to `RX` rows of x: every weight vector loaded is used for `RX` rows and every x
 //! vector for `RW` weight rows, and the weights are read in place, never copied. Past
-//! [`F32_MAX_ROWS`] rows (a prompt) f32 weights go back to candle's gemm, faster there.
+//! [`f32_max_rows`] rows (a long prompt) f32 weights go back to candle's gemm, faster there.
 //!
 //! A bf16 weight stays bf16 in memory, which halves the bytes a decode step streams, and is
 //! widened to f32 in registers (a bf16 is the high half of an f32, so widening is exact). Products
@@ -28,12 +28,20 @@ use rayon::prelude::*;
 use crate::output::Output;
 
 /// Above this many rows an f32 weight goes to candle's gemm: its broadcast microkernel beats the
-/// dot-product tiles once repacking the weight is spread over enough rows (examples/dense_matmul,
-/// 2 threads, quiet machine: tiles 75 against 53 GFLOP/s at 16 rows and 90 against 71 at 32;
+/// AVX2 dot-product tiles once repacking the weight is spread over enough rows (examples/dense_matmul,
+/// 2 threads, Zen 3: tiles 75 against 53 GFLOP/s at 16 rows and 90 against 71 at 32;
 /// about even from 48 to 64 rows, where runs disagree by more than the difference; 117 against
-/// 153 at 256). A prompt's prefill is usually past it; decode batches are not. bf16 weights have
-/// no such limit (an f32 copy of the weight per call makes candle slower up to 256 rows).
-const F32_MAX_ROWS: usize = 64;
+/// 153 at 256). The AVX-512 tiles (six x rows a pass) stay ahead of candle up to 256 rows and
+/// even at 512 (Ice Lake, 2 threads, a whole step of the 100M shape, alternating in one
+/// process: 96 against 78 GFLOP/s at 64 rows, 102 against 90 at 128, 104 against 97 at 256,
+/// 96 against 98 at 512). Decode batches are below either limit. bf16 weights have no limit (an
+/// f32 copy of the weight per call makes candle slower up to 512 rows).
+pub fn f32_max_rows(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 => 256,
+        Isa::Avx2 | Isa::Portable => 64,
+    }
+}
 /// Weight rows per parallel task: large enough to amortise scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 64;
 
@@ -100,7 +108,7 @@ pub fn bf16_weights_fast() -> bool {
 }
 
 /// `x [m, k] @ w.T` for w `[n, k]`, or None when this kernel does not apply (not CPU, x not
-/// f32, w neither f32 nor bf16, more than [`F32_MAX_ROWS`] rows against an f32 weight,
+/// f32, w neither f32 nor bf16, more than [`f32_max_rows`] rows against an f32 weight,
 /// non-contiguous weight).
 pub fn matmul_transposed(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     matmul_transposed_with(x, w, Isa::selected())
@@ -120,7 +128,7 @@ pub fn matmul_transposed_with(x: &Tensor, w: &Tensor, isa: Isa) -> Result<Option
     let Storage::Cpu(cpu) = &*storage else { return Ok(None) };
     let stored = layout.start_offset()..layout.start_offset() + n * k;
     let weights = match w.dtype() {
-        DType::F32 if m <= F32_MAX_ROWS => Rows::F32(&cpu.as_slice::<f32>()?[stored]),
+        DType::F32 if m <= f32_max_rows(isa) => Rows::F32(&cpu.as_slice::<f32>()?[stored]),
         DType::BF16 => Rows::Bf16(bf16_bits(&cpu.as_slice::<half::bf16>()?[stored])),
         _ => return Ok(None),
     };
@@ -503,10 +511,13 @@ mod x86 {
     widen_rows_fn!(widen_rows512, "avx512f", 16, widen512, _mm512_storeu_ps);
 
     impl Simd for Avx512 {
-        const RX: usize = 4;
+        /// 24 accumulators, six x vectors and a weight vector: 31 of the 32 registers. Against
+        /// four x rows (16 accumulators), a whole step of the 100M shape at 16, 32 and 64 rows took
+        /// 1.03-1.21x less time (Ice Lake, 2 threads, alternating in one process).
+        const RX: usize = 6;
         unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { dispatch!(tile512, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3, 4]) }
+            unsafe { dispatch!(tile512, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3, 4, 5, 6]) }
         }
         unsafe fn widen_rows(bits: &[u16], out: &mut [f32]) {
             // SAFETY: forwarded from the caller's contract.
@@ -731,7 +742,7 @@ mod tests {
     fn declines_what_it_does_not_handle() {
         let w = Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap();
         // A prefill's many rows against an f32 weight (candle's gemm is faster there).
-        let x = Tensor::zeros((F32_MAX_ROWS + 1, 4), DType::F32, &Device::Cpu).unwrap();
+        let x = Tensor::zeros((f32_max_rows(Isa::selected()) + 1, 4), DType::F32, &Device::Cpu).unwrap();
         assert!(matmul_transposed(&x, &w).unwrap().is_none());
         assert!(matmul_transposed(&x, &w.to_dtype(DType::BF16).unwrap()).unwrap().is_some());
         // bf16 activations: the model computes in bf16, candle handles it.
