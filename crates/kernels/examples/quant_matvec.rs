@@ -22,6 +22,13 @@ use tpserve_kernels::quant::interleaved;
 use tpserve_kernels::quant::kernels::{Path, matmul};
 
 fn main() {
+    // On a thread of the pool, as the rank's compute does (`src/model/compute_pool.rs`): a call
+    // from outside pays a cross-thread wake-up per product, which on a VM was most of a small
+    // product's time (50-100 µs).
+    rayon::ThreadPoolBuilder::new().build().expect("thread pool").install(run);
+}
+
+fn run() {
     // `--k-quants`: only the K-quant lines
     let only_k = std::env::args().any(|a| a == "--k-quants");
     if !only_k {
