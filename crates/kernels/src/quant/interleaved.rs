@@ -738,23 +738,14 @@ mod x86 {
         // caller; group-block b < blocks of either group is in bounds (`second` bytes apart), and
         // activation bytes b * 32 + 32, sums and scales b of every row (the caller's contract).
         unsafe {
-            // 32 bytes of each group at offset `at` of their group-blocks: group g low, g + 1 high
-            let both = |at: *const u8| {
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(at.cast())), _mm256_loadu_si256(at.add(second).cast()))
-            };
-            // eight f16 of each group at `at`, widened
-            let both_f16 = |at: *const u8| {
-                _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(at.cast())), _mm_loadu_si128(at.add(second).cast())))
-            };
-            let broadcast4 = |act: &ActQ8, at: usize| _mm512_set1_epi32(act.qs.as_ptr().add(at).cast::<i32>().read_unaligned());
             let mut acc = [_mm512_setzero_ps(); R];
             for b in 0..blocks {
                 let gb = groups.add(b * gbytes);
-                let d = both_f16(gb);
+                let d = both_f16(gb, second);
                 let c = match F {
                     Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
                     Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
-                    Q4_1 | Q5_1 => both_f16(gb.add(p.group_m())),
+                    Q4_1 | Q5_1 => both_f16(gb.add(p.group_m()), second),
                     _ => _mm512_setzero_ps(),
                 };
                 let qs = gb.add(p.group_qs());
@@ -763,9 +754,9 @@ mod x86 {
                 if F == Q8_0 {
                     let bias = _mm512_set1_epi8(-128);
                     for t in 0..8 {
-                        let w = _mm512_xor_si512(both(qs.add(32 * t)), bias);
+                        let w = _mm512_xor_si512(both(qs.add(32 * t), second), bias);
                         for j in 0..R {
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], w, broadcast4(acts[j], x0 + 4 * t));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], w, broadcast4_512(acts[j], x0 + 4 * t));
                         }
                     }
                     for j in 0..R {
@@ -774,7 +765,7 @@ mod x86 {
                 } else {
                     let low = _mm512_set1_epi8(0x0F);
                     for u in 0..4 {
-                        let chunk = both(qs.add(32 * u));
+                        let chunk = both(qs.add(32 * u), second);
                         let mut lo = _mm512_and_si512(chunk, low);
                         let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), low);
                         if F == Q5_0 || F == Q5_1 {
@@ -783,8 +774,8 @@ mod x86 {
                             hi = _mm512_or_si512(hi, both_high_bits(qh.add(4 * (u + 4)), second));
                         }
                         for j in 0..R {
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4(acts[j], x0 + 4 * u));
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4(acts[j], x0 + 16 + 4 * u));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4_512(acts[j], x0 + 4 * u));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4_512(acts[j], x0 + 16 + 4 * u));
                         }
                     }
                 }
@@ -802,16 +793,48 @@ mod x86 {
         }
     }
 
-    /// [`high_bits`] of the words at `at` (lanes 0..8) and `at + second` (lanes 8..16). A
-    /// function, not a closure: a closure is compiled without the caller's target features and
-    /// was called, not inlined (ten times slower).
+    // The helpers of `pair_body` are functions, not closures: a closure in an `#[inline(always)]`
+    // body is compiled without its caller's target features, and one (the fifth bits) was
+    // called, not inlined, which made Q5_0 ten times slower.
+
+    /// 32 bytes at `at` (lanes 0..8) and at `at + second` (lanes 8..16).
     ///
     /// # Safety
-    /// AVX-512 F and AVX2 are enabled by the caller; 4 readable bytes at `at` and `at + second`.
+    /// AVX-512 F is enabled by the caller; 32 readable bytes at both places.
+    #[inline(always)]
+    unsafe fn both(at: *const u8, second: usize) -> __m512i {
+        // SAFETY: as the caller promises; unaligned loads.
+        unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_loadu_si256(at.cast())), _mm256_loadu_si256(at.add(second).cast())) }
+    }
+
+    /// Eight f16 at `at` (lanes 0..8) and at `at + second` (lanes 8..16), widened.
+    ///
+    /// # Safety
+    /// AVX-512 F and AVX2 are enabled by the caller; 16 readable bytes at both places.
+    #[inline(always)]
+    unsafe fn both_f16(at: *const u8, second: usize) -> __m512 {
+        // SAFETY: as the caller promises; unaligned loads.
+        unsafe { _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(_mm_loadu_si128(at.cast())), _mm_loadu_si128(at.add(second).cast()))) }
+    }
+
+    /// [`high_bits`] of the words at `at` (lanes 0..8) and `at + second` (lanes 8..16).
+    ///
+    /// # Safety
+    /// AVX-512 F and AVX2 are enabled by the caller; 4 readable bytes at both places.
     #[inline(always)]
     unsafe fn both_high_bits(at: *const u8, second: usize) -> __m512i {
         // SAFETY: as the caller promises.
         unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(high_bits(at)), high_bits(at.add(second))) }
+    }
+
+    /// Four activation bytes `at..at+4` of a row, in every 32-bit lane of a 512-bit vector.
+    ///
+    /// # Safety
+    /// AVX-512 F is enabled by the caller; `at + 4` is within `act.qs`.
+    #[inline(always)]
+    unsafe fn broadcast4_512(act: &ActQ8, at: usize) -> __m512i {
+        // SAFETY: as the caller promises; the load is unaligned.
+        unsafe { _mm512_set1_epi32(act.qs.as_ptr().add(at).cast::<i32>().read_unaligned()) }
     }
 
     /// Eight interleaved Q4_K rows against `acts` (1 to 4 Q8_K rows): `out[j][r]`.
