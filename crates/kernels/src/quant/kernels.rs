@@ -653,9 +653,6 @@ mod tests {
         eprintln!("quantized kernel paths tested on this CPU: {ran:?}");
     }
 
-    /// A row's product does not depend on the batch it is in: the four-row SIMD path adds in
-    /// the single-row path's order, so every row of a batch equals that row multiplied alone,
-    /// bit for bit (the greedy tokens of a sequence cannot change with the batch).
     /// The AVX2 activation quantization gives the scalar one's bytes, scales and sums, on
     /// ordinary values, exact halves, zero blocks, signed zeros, infinities and NaNs.
     #[cfg(target_arch = "x86_64")]
@@ -684,6 +681,9 @@ mod tests {
         assert_eq!(bits(&avx2.s), bits(&scalar.s));
     }
 
+    /// A row's product does not depend on the batch it is in: the four-row SIMD path adds in
+    /// the single-row path's order, so every row of a batch equals that row multiplied alone,
+    /// bit for bit (the greedy tokens of a sequence cannot change with the batch).
     #[test]
     fn batched_rows_equal_single_rows_bitwise() {
         use GgmlDType::*;
