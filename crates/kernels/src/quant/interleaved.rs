@@ -389,10 +389,10 @@ fn pair_dot(dtype: GgmlDType, groups: &[u8], acts: &[&ActQ8], out: &mut [[f32; 2
     assert!(acts.len() <= 4 && acts.len() == out.len());
     assert!(groups.len() == 2 * blocks * Parts::of(dtype).group_bytes());
     assert!(acts.iter().all(|a| a.d.len() == blocks && a.s.len() == blocks && a.sums.len() == blocks && a.qs.len() == blocks * QK));
-    assert!(Path::Avx512Vnni.available(), "pairs of groups are only taken on the AVX-512 VNNI path");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: this CPU has AVX-512 VNNI, BW and VL (asserted above); `groups` holds two groups of
-    // `blocks` group-blocks of `dtype` and every activation row `blocks` blocks (asserted above).
+    // SAFETY: `matmul` asserted this CPU has the path, and takes pairs only on the AVX-512 VNNI
+    // one (F, BW, VL, VNNI); `groups` holds two groups of `blocks` group-blocks of `dtype` and
+    // every activation row `blocks` blocks (asserted above).
     unsafe {
         x86::pair_vnni(dtype, groups.as_ptr(), blocks, acts, out)
     }

@@ -102,8 +102,8 @@ pub struct ActQ8 {
 /// Q8_0-style quantization of `x` (a multiple of 32 values), scales kept in f32.
 pub fn quantize_act(x: &[f32]) -> ActQ8 {
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: this CPU has AVX2 (checked above).
+    if Path::selected() >= Path::Avx2 {
+        // SAFETY: the selected path is available, and every path from Avx2 up includes AVX2.
         return unsafe { quantize_act_avx2(x) };
     }
     quantize_act_body(x, block_amax)
