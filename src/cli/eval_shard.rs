@@ -108,6 +108,8 @@ struct BenchResult {
     seconds: f64,
     tokens_per_second: f64,
     ms_per_step: f64,
+    /// the first step: every sequence's whole prompt at once (batch * prompt_len rows)
+    prefill_ms: f64,
 }
 
 pub fn run(args: EvalShardArgs) -> Result<()> {
@@ -149,8 +151,12 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
         let result = bench_decode(&model, comm.as_ref(), next_seq, batch, &args)?;
         if args.rank == 0 {
             eprintln!(
-                "decode batch {batch}: {:.1} tokens/s ({:.2} ms/step over {} steps)",
-                result.tokens_per_second, result.ms_per_step, result.steps
+                "decode batch {batch}: {:.1} tokens/s ({:.2} ms/step over {} steps); its prefill of {} rows: {:.1} ms",
+                result.tokens_per_second,
+                result.ms_per_step,
+                result.steps,
+                batch * result.prompt_len,
+                result.prefill_ms
             );
         }
         next_seq += batch as u64;
@@ -194,7 +200,9 @@ fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usi
     let mut store = CacheStore::new(BlockPool::new(batch * per_sequence, DEFAULT_BLOCK_SIZE));
     let prefill: Vec<SequenceInput<'_>> =
         seq_ids.iter().zip(&tables).map(|(&seq_id, table)| SequenceInput::new(seq_id, &prompt, 0, true, table)).collect();
+    let prefill_started = Instant::now();
     let mut tokens = next_tokens(comm, model.step(&prefill, &mut store)?, batch)?;
+    let prefill_ms = prefill_started.elapsed().as_secs_f64() * 1e3;
     let (mut seconds, mut steps) = (0.0, 0);
     for step in 0..args.bench_warmup + args.bench_steps {
         let started = Instant::now();
@@ -220,6 +228,7 @@ fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usi
         seconds,
         tokens_per_second: if seconds > 0.0 { (batch * steps) as f64 / seconds } else { 0.0 },
         ms_per_step: per_step * 1e3,
+        prefill_ms,
     })
 }
 
