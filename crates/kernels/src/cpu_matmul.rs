@@ -280,6 +280,9 @@ mod x86 {
     pub trait Simd {
         /// Most x rows per tile: the accumulators, `RW * RX` vectors, must fit the registers.
         const RX: usize;
+        /// Whether [`block`] widens bf16 weight rows into an f32 scratch block once when they
+        /// meet more than `RX` x rows, rather than in registers on every pass.
+        const WIDEN_ONCE: bool;
         /// Writes out[c * out_stride + r] = dot(w row r, x row c) for r < rw, c < rx, and
         /// prefetches the bytes of `ahead` meanwhile.
         ///
@@ -465,6 +468,9 @@ mod x86 {
 
     impl Simd for Avx2 {
         const RX: usize = 3;
+        /// Against widening in registers on every pass, a whole 16-40-row bf16 step took
+        /// 1.3-1.5x less time (Ice Lake's AVX2 path, 2 threads, alternating in one process).
+        const WIDEN_ONCE: bool = true;
         unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
             unsafe { dispatch!(tile256, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3]) }
@@ -523,6 +529,11 @@ mod x86 {
         /// four x rows (16 accumulators), a whole step of the 100M shape at 16, 32 and 64 rows took
         /// 1.03-1.21x less time (Ice Lake, 2 threads, alternating in one process).
         const RX: usize = 6;
+        /// Widening in registers on every pass took 1.12-1.49x less time than widening once
+        /// into scratch, on a whole bf16 step at 7-47 rows (Ice Lake, 2 threads, alternating
+        /// in one process, three runs): the scratch pass waited on the weights from memory
+        /// with nothing to overlap, where the tiles' loads overlap their arithmetic.
+        const WIDEN_ONCE: bool = false;
         unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
             unsafe { dispatch!(tile512, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3, 4, 5, 6]) }
@@ -536,11 +547,12 @@ mod x86 {
     /// One task's weight rows (the first is row `first` of the matrix) against every x row,
     /// into their columns of `out`, group-major: each group of `RW` weight rows against all the
     /// x rows, in passes of `S::RX`. From [`super::PASS_MAJOR_ROWS`] x rows on, the passes go
-    /// outside instead ([`block_by_pass`]). The tiles read f32 weights in place. bf16 weights are read
-    /// in place too when there are at most `S::RX` x rows (one tile column: each weight vector
-    /// is widened once anyway); with more, each group of `RW` weight rows is widened once, a
+    /// outside instead ([`block_by_pass`]). The tiles read f32 weights in place. bf16 weights are
+    /// read in place too when there are at most `S::RX` x rows (one tile column: each weight
+    /// vector is widened once anyway) or the path widens in registers on every pass
+    /// ([`Simd::WIDEN_ONCE`] false); otherwise each group of `RW` weight rows is widened once, a
     /// vector at a time ([`Simd::widen_rows`]), into an f32 scratch block (in L1) and reused for
-    /// every group of x rows. (The scalar widening was a fifth of a 16-row bf16 step's samples;
+    /// every pass of x rows. (The scalar widening was a fifth of a 16-row bf16 step's samples;
     /// vectorised, the step took 1.03-1.26x less time at 8 to 32 rows, alternating in one
     /// process.)
     ///
@@ -554,7 +566,7 @@ mod x86 {
             // SAFETY: this function's contract is block_by_pass's.
             return unsafe { block_by_pass::<S>(out, first, w, x, m, k) };
         }
-        let widen_once = matches!(w, Rows::Bf16(_)) && m > S::RX;
+        let widen_once = S::WIDEN_ONCE && matches!(w, Rows::Bf16(_)) && m > S::RX;
         let mut scratch = if widen_once { vec![0f32; RW * k] } else { Vec::new() };
         let mut j = 0;
         while j < rows {
