@@ -629,9 +629,13 @@ mod x86 {
         let weights: *const f32 = match w {
             Rows::F32(values) => values.as_ptr(),
             Rows::Bf16(bits) => {
-                widened.resize(rows * k, 0.0);
+                // It only grows (to the largest task's rows): resized to each product's size,
+                // it would be zero-filled again whenever k changed from one product to the next.
+                if widened.len() < rows * k {
+                    widened.resize(rows * k, 0.0);
+                }
                 // SAFETY: the CPU has S's features (this function's contract).
-                unsafe { S::widen_rows(bits, &mut widened) };
+                unsafe { S::widen_rows(bits, &mut widened[..rows * k]) };
                 widened.as_ptr()
             }
         };
