@@ -35,14 +35,15 @@ use crate::output::Output;
 /// even at 512 (Ice Lake, 2 threads, a whole step of the 100M shape, alternating in one
 /// process: 96 against 78 GFLOP/s at 64 rows, 102 against 90 at 128, 104 against 97 at 256,
 /// 96 against 98 at 512; pass-major since (`PASS_MAJOR_ROWS`), 1.14x candle's speed at 256
-/// and 0.93-0.96x at 512 and 1,024). Decode batches are below either limit. bf16 weights have no limit (an
-/// f32 copy of the weight per call makes candle slower up to 512 rows).
+/// and 0.93-0.96x at 512 and 1,024). Decode batches are below either limit. bf16 weights have
+/// no limit (an f32 copy of the weight per call makes candle slower up to 512 rows).
 pub fn f32_max_rows(isa: Isa) -> usize {
     match isa {
         Isa::Avx512 => 256,
         Isa::Avx2 | Isa::Portable => 64,
     }
 }
+
 /// From this many x rows on, a task goes pass-major (`x86::block_by_pass`): every pass of x rows
 /// over all of the task's weight rows, which then come from L2, rather than every few weight
 /// rows over all x rows, which at hundreds of rows come from L3. Ice Lake, 2 threads, a whole
@@ -611,7 +612,9 @@ mod x86 {
     }
 
     thread_local! {
-        /// A task's weight rows widened to f32 (bf16 weights against many x rows).
+        /// A task's weight rows widened to f32 (bf16 weights against many x rows): 64 rows of
+        /// the largest k a pool thread has met (192 KiB at k = 768, 2.2 MiB at k = 8,960), kept
+        /// for the thread's life rather than allocated per product.
         static WIDENED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
     }
 

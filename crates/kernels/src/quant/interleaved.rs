@@ -75,8 +75,8 @@ const GROUPS_PER_TASK: usize = 4;
 /// float accumulators, against 4 (8 in all) before. Each weight vector loaded (and, for Q8_0,
 /// biased) serves twice the rows, and twice the chains of `vpdpbusd` run side by side. A
 /// whole 100M step, Ice Lake, 2 threads, alternating in one process: 1.05-1.19x at 16 rows,
-/// 1.01-1.10x at 32, 1.06-1.14x at 512 for Q8_0, Q4_1 and Q5_0 (even at 4 rows or fewer,
-/// which take the same body).
+/// 1.01-1.10x at 32, 1.06-1.14x at 512 for Q8_0, Q4_1 and Q5_0 (unchanged at 4 rows or
+/// fewer, which take the same body as before).
 const PAIR_ROWS: usize = 8;
 const QK: usize = 32;
 
