@@ -307,24 +307,24 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
             let groups_bytes = &w[g * GROUP * rb..(g + span) * GROUP * rb];
             let mut done = 0;
             while done < m {
-                let take = (m - done).min(if span == 2 { PAIR_ROWS } else { 4 });
-                let mut sums = [[0f32; 2 * GROUP]; PAIR_ROWS];
                 if span == 2 {
+                    let take = (m - done).min(PAIR_ROWS);
+                    let mut sums = [[0f32; 2 * GROUP]; PAIR_ROWS];
                     pair_dot(dtype, groups_bytes, &acts[done..done + take], &mut sums[..take]);
+                    // SAFETY: activation rows done..done + take < m and weight rows
+                    // g * GROUP..(g + 2) * GROUP < n, in this task's groups: no other task
+                    // writes them.
+                    unsafe { store(out, g * GROUP, done, &sums[..take]) };
+                    done += take;
                 } else {
-                    let mut one = [[0f32; GROUP]; 4];
+                    let take = (m - done).min(4);
+                    let mut sums = [[0f32; GROUP]; 4];
                     let batch = if k_quant { Acts::K(&acts_k[done..done + take]) } else { Acts::Q8(&acts[done..done + take]) };
-                    group_dot(path, dtype, groups_bytes, batch, &mut one[..take]);
-                    for (lanes, one) in sums.iter_mut().zip(&one) {
-                        lanes[..GROUP].copy_from_slice(one);
-                    }
+                    group_dot(path, dtype, groups_bytes, batch, &mut sums[..take]);
+                    // SAFETY: as above, for the one group g.
+                    unsafe { store(out, g * GROUP, done, &sums[..take]) };
+                    done += take;
                 }
-                for (j, lanes) in sums[..take].iter().enumerate() {
-                    // SAFETY: activation row done + j < m and weight rows g * GROUP + r < n
-                    // (r < span * GROUP), in this task's groups: no other task writes them.
-                    unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.at(g * GROUP, done + j, 0), span * GROUP) }
-                }
-                done += take;
             }
             g += span;
         }
@@ -336,6 +336,17 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
         }
     }
     values
+}
+
+/// Activation rows `first_row..` of `out` get `lanes` (one row each) in columns `first_col..`.
+///
+/// # Safety
+/// Those elements are inside `out` and only the calling task writes them.
+unsafe fn store<const L: usize>(out: Output, first_col: usize, first_row: usize, lanes: &[[f32; L]]) {
+    for (j, lanes) in lanes.iter().enumerate() {
+        // SAFETY: as the caller promises.
+        unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.at(first_col, first_row + j, 0), L) }
+    }
 }
 
 /// Up to four activation rows of a product: 8-bit per 32 values (the 32-value formats) or
@@ -601,13 +612,7 @@ mod x86 {
         acts: [&ActQ8; R],
         out: &mut [[f32; GROUP]],
     ) {
-        let p = Parts::of(match F {
-            Q4_0 => GgmlDType::Q4_0,
-            Q4_1 => GgmlDType::Q4_1,
-            Q5_0 => GgmlDType::Q5_0,
-            Q5_1 => GgmlDType::Q5_1,
-            _ => GgmlDType::Q8_0,
-        });
+        let p = parts_of::<F>();
         let gbytes = p.group_bytes();
         // SAFETY (whole block): AVX2, FMA and F16C (and VNNI when asked) are enabled by every
         // caller; group-block b < blocks is in bounds of `group`, activation bytes
@@ -684,6 +689,18 @@ mod x86 {
         }
     }
 
+    /// The group-block layout of format `F` (a kernels::x86 format constant).
+    #[inline(always)]
+    fn parts_of<const F: u8>() -> Parts {
+        Parts::of(match F {
+            Q4_0 => GgmlDType::Q4_0,
+            Q4_1 => GgmlDType::Q4_1,
+            Q5_0 => GgmlDType::Q5_0,
+            Q5_1 => GgmlDType::Q5_1,
+            _ => GgmlDType::Q8_0,
+        })
+    }
+
     /// Two groups' sixteen rows against `acts` (1 to [`super::PAIR_ROWS`] rows) on 512-bit
     /// vectors: group g in lanes 0..8 and group g + 1 in lanes 8..16, each lane the same
     /// arithmetic as [`body`]'s.
@@ -737,13 +754,7 @@ mod x86 {
     /// As [`pair_vnni`], with `R` equal to the number of rows of `out`.
     #[inline(always)]
     unsafe fn pair_body<const F: u8, const R: usize>(groups: *const u8, blocks: usize, acts: [&ActQ8; R], out: &mut [[f32; 2 * GROUP]]) {
-        let p = Parts::of(match F {
-            Q4_0 => GgmlDType::Q4_0,
-            Q4_1 => GgmlDType::Q4_1,
-            Q5_0 => GgmlDType::Q5_0,
-            Q5_1 => GgmlDType::Q5_1,
-            _ => GgmlDType::Q8_0,
-        });
+        let p = parts_of::<F>();
         let gbytes = p.group_bytes();
         // group g + 1's group-block b is one whole group after group g's
         let second = blocks * gbytes;
