@@ -117,6 +117,7 @@ impl Model {
     pub fn dtype(&self) -> DType {
         match self.embed.weight() {
             super::quant::Weight::Dense(t) => t.dtype(),
+            super::quant::Weight::Panels(p) => p.dtype(),
             super::quant::Weight::Quant(_) => self.embed.compute_dtype(),
         }
     }

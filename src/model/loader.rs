@@ -35,6 +35,9 @@ impl LoadProgress {
             Weight::Dense(t) => {
                 *formats.entry(format!("{:?}", t.dtype()).to_lowercase()).or_default() += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
             }
+            Weight::Panels(p) => {
+                *formats.entry(format!("{:?}", p.dtype()).to_lowercase()).or_default() += (p.data().elem_count() * p.dtype().size_in_bytes()) as u64;
+            }
             Weight::Quant(q) => {
                 for s in &q.segments {
                     *formats.entry(super::quant::formats::name(s.dtype).to_owned()).or_default() += s.resident_bytes() as u64;
@@ -348,7 +351,7 @@ impl ShardLoader {
                 }
             }
         }
-        let weight = Weight::Dense(self.matmul_slice(name, expected_shape, dim, ranges)?);
+        let weight = Weight::dense(self.matmul_slice(name, expected_shape, dim, ranges)?)?;
         self.progress.record(&weight);
         Ok(weight)
     }

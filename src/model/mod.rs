@@ -17,6 +17,7 @@ pub mod layers;
 pub mod loader;
 pub mod moe;
 pub mod paged;
+pub mod panels;
 pub mod parallel;
 pub mod placement;
 pub mod quant;

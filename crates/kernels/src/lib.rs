@@ -19,6 +19,7 @@ pub mod attention;
 pub mod cpu_matmul;
 mod output;
 pub mod pages;
+pub mod panels;
 pub mod quant;
 
 /// Deterministic test inputs shared by the quantized formats' and kernels' tests.

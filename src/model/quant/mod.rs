@@ -11,7 +11,8 @@
 //! - [`interleaved`]: the resident layout of the 32-value block formats (Q4_0..Q8_0) and of
 //!   Q4_K, eight rows interleaved so that one vector holds the same block of eight rows, and its
 //!   products.
-//! - [`Weight`]: the weight of a linear layer, embedding or LM head, dense or quantized.
+//! - [`Weight`]: the weight of a linear layer, embedding or LM head: dense, in column panels
+//!   (dense on a CPU with a panel kernel, `crate::model::panels`), or quantized.
 
 pub use tpserve_kernels::quant::{formats, interleaved, kernels};
 
@@ -21,6 +22,7 @@ use anyhow::{Result, bail};
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Storage, Tensor};
 
+use super::panels::PanelMatrix;
 pub use formats::Sliced;
 
 /// How a loader treats the weights of matrix products.
@@ -72,10 +74,12 @@ pub struct QMatrix {
     pub segments: Vec<Segment>,
 }
 
-/// The weight of a matrix product `x @ w.T`: dense (any dtype) or quantized.
+/// The weight of a matrix product `x @ w.T`: dense (any dtype, any device), dense f32 or bf16
+/// in column panels (CPU), or quantized (CPU).
 #[derive(Clone)]
 pub enum Weight {
     Dense(Tensor),
+    Panels(Arc<PanelMatrix>),
     Quant(Arc<QMatrix>),
 }
 
@@ -89,6 +93,21 @@ fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
 }
 
 impl Weight {
+    /// A dense weight as it is best held here: in panels where [`PanelMatrix::applies`] (an f32
+    /// or bf16 CPU tensor, an AVX-512 CPU), else as it is.
+    pub fn dense(t: Tensor) -> Result<Self> {
+        Ok(if PanelMatrix::applies(&t) { Weight::Panels(Arc::new(PanelMatrix::pack(&t)?)) } else { Weight::Dense(t) })
+    }
+
+    /// A dense weight as a row-major tensor (panels unpacked); None when quantized.
+    fn row_major(&self) -> Result<Option<Tensor>> {
+        Ok(match self {
+            Weight::Dense(t) => Some(t.clone()),
+            Weight::Panels(p) => Some(p.unpack()?),
+            Weight::Quant(_) => None,
+        })
+    }
+
     /// A rank's slice as a weight: blocks stay blocks, f32 becomes a dense tensor.
     pub fn from_sliced(sliced: Sliced, device: &Device) -> Result<Self> {
         if !device.is_cpu() {
@@ -98,7 +117,7 @@ impl Weight {
             Sliced::Blocks { dtype, rows, cols, bytes } => {
                 Weight::Quant(Arc::new(QMatrix { rows, cols, segments: vec![Segment::blocks(dtype, rows, cols, bytes)?] }))
             }
-            Sliced::F32 { rows, cols, values } => Weight::Dense(Tensor::from_vec(values, (rows, cols), device)?),
+            Sliced::F32 { rows, cols, values } => Weight::dense(Tensor::from_vec(values, (rows, cols), device)?)?,
         })
     }
 
@@ -106,6 +125,7 @@ impl Weight {
     pub fn tensors(&self) -> Vec<&Tensor> {
         match self {
             Weight::Dense(t) => vec![t],
+            Weight::Panels(p) => vec![p.data()],
             Weight::Quant(q) => q.segments.iter().map(|s| &s.data).collect(),
         }
     }
@@ -117,7 +137,7 @@ impl Weight {
     pub fn device(&self) -> Device {
         match self {
             Weight::Dense(t) => t.device().clone(),
-            Weight::Quant(_) => Device::Cpu,
+            Weight::Panels(_) | Weight::Quant(_) => Device::Cpu,
         }
     }
 
@@ -125,6 +145,7 @@ impl Weight {
     pub fn dims2(&self) -> Result<(usize, usize)> {
         match self {
             Weight::Dense(t) => Ok(t.dims2()?),
+            Weight::Panels(p) => Ok((p.rows, p.cols)),
             Weight::Quant(q) => Ok((q.rows, q.cols)),
         }
     }
@@ -133,6 +154,7 @@ impl Weight {
     pub fn format(&self) -> String {
         match self {
             Weight::Dense(t) => format!("{:?}", t.dtype()).to_lowercase(),
+            Weight::Panels(p) => format!("{:?}", p.dtype()).to_lowercase(),
             Weight::Quant(q) => {
                 let mut names: Vec<&str> = Vec::new();
                 for s in &q.segments {
@@ -151,12 +173,10 @@ impl Weight {
         if parts.len() == 1 {
             return Ok(parts.into_iter().next().expect("one part"));
         }
-        if parts.iter().all(|p| matches!(p, Weight::Dense(_))) {
-            let dense: Vec<Tensor> = parts.into_iter().map(|p| match p {
-                Weight::Dense(t) => t,
-                Weight::Quant(_) => unreachable!(),
-            }).collect();
-            return Ok(Weight::Dense(Tensor::cat(&dense, 0)?));
+        // Dense parts (panels unpacked) are stacked row-major, then held as one weight again.
+        let dense: Vec<Tensor> = parts.iter().map(Weight::row_major).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
+        if dense.len() == parts.len() {
+            return Weight::dense(Tensor::cat(&dense, 0)?);
         }
         let cols = parts[0].dims2()?.1;
         // Consecutive parts of one format merge into one segment: their row-major blocks (or
@@ -175,6 +195,7 @@ impl Weight {
             rows += part_rows;
             let pieces: Vec<Run> = match part {
                 Weight::Dense(t) => vec![Run::Dense(vec![t.to_dtype(DType::F32)?])],
+                Weight::Panels(p) => vec![Run::Dense(vec![p.unpack()?.to_dtype(DType::F32)?])],
                 Weight::Quant(q) => q
                     .segments
                     .iter()
@@ -215,6 +236,7 @@ impl Weight {
     pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Weight::Dense(w) => crate::model::parallel::matmul_transposed(x, w),
+            Weight::Panels(p) => p.matmul_t(x),
             Weight::Quant(q) => q.matmul_t(x, kernels::Path::selected()),
         }
     }
@@ -223,6 +245,7 @@ impl Weight {
     pub fn rows_f32(&self, ids: &Tensor) -> Result<Tensor> {
         match self {
             Weight::Dense(w) => Ok(w.index_select(ids, 0)?.to_dtype(DType::F32)?),
+            Weight::Panels(p) => p.rows_f32(&ids.to_vec1::<u32>()?),
             Weight::Quant(q) => {
                 let ids = ids.to_vec1::<u32>()?;
                 let mut out = vec![0f32; ids.len() * q.cols];
