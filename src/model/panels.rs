@@ -105,3 +105,47 @@ impl PanelMatrix {
         Ok(Tensor::from_vec(out, (ids.len(), self.cols), &Device::Cpu)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::quant::Weight;
+
+    fn matrix(rows: usize, cols: usize, seed: u32, dtype: DType) -> Tensor {
+        let values: Vec<f32> = (0..rows * cols).map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0).collect();
+        Tensor::from_vec(values, (rows, cols), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    /// Dense f32 and bf16 weights go into panels where the CPU has a panel kernel; stacked
+    /// (fused q/k/v, gate/up) they equal the stack of the row-major tensors, and their products
+    /// and rows equal candle's on the same values.
+    #[test]
+    fn dense_weights_are_held_in_panels_and_multiply_like_candle() {
+        for dtype in [DType::F32, DType::BF16] {
+            // 37 and 21 rows: neither part fills its last panel, so stacking must repack
+            let (a, b) = (matrix(37, 70, 1, dtype), matrix(21, 70, 2, dtype));
+            let stacked = Weight::cat_rows(vec![Weight::dense(a.clone()).unwrap(), Weight::dense(b.clone()).unwrap()]).unwrap();
+            let want = Tensor::cat(&[&a, &b], 0).unwrap();
+            assert_eq!(stacked.dims2().unwrap(), (58, 70));
+            assert_eq!(stacked.format(), format!("{dtype:?}").to_lowercase());
+            let Weight::Panels(p) = &stacked else {
+                assert!(!panels::packs_for(Isa::selected()), "{dtype:?} not packed on a CPU with panels");
+                continue;
+            };
+            let same = |x: &Tensor, y: &Tensor| {
+                let (x, y) = (x.to_dtype(DType::F32).unwrap().flatten_all().unwrap(), y.to_dtype(DType::F32).unwrap().flatten_all().unwrap());
+                assert_eq!(x.to_vec1::<f32>().unwrap(), y.to_vec1::<f32>().unwrap());
+            };
+            same(&p.unpack().unwrap(), &want);
+            let ids = Tensor::new(&[57u32, 0, 36, 37], &Device::Cpu).unwrap();
+            same(&stacked.rows_f32(&ids).unwrap(), &want.index_select(&ids, 0).unwrap());
+            assert!(p.rows_f32(&[58]).is_err(), "a row past the end is an error, not a panic");
+            let x = matrix(5, 70, 3, DType::F32);
+            let got = stacked.matmul_t(&x).unwrap();
+            let reference = x.matmul(&want.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
+            let diff = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(diff < 1e-4, "{dtype:?}: {diff}");
+            assert!(stacked.matmul_t(&matrix(2, 69, 4, DType::F32)).is_err(), "a wrong width is an error");
+        }
+    }
+}
