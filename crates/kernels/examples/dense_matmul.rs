@@ -1,5 +1,7 @@
 //! Speed of the f32 and bf16 weight kernels on a whole decode step's matrices, beside the
-//! memory-read bandwidth measured in the same run and candle's matmul (the baseline).
+//! memory-read bandwidth measured in the same run and candle's matmul (the baseline): the
+//! row-major tiles (`cpu_matmul`, each path) and, where the CPU has a panel kernel, the column
+//! panels the loader holds dense weights in (`panels`).
 //!
 //! The weights are those of the ~100M-parameter Qwen3 shape of `benches/tp_bench.rs` (hidden
 //! 768, 12 layers, fused q/k/v [1280x768], o [768x768], fused gate/up [4096x768], down
@@ -15,6 +17,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use tpserve_kernels::cpu_matmul::{Isa, matmul_transposed_with};
+use tpserve_kernels::panels::{self, Packed};
 
 const HIDDEN: usize = 768;
 const LAYERS: usize = 12;
@@ -96,8 +99,23 @@ fn run() {
                 Tensor::from_vec(values, (n, k), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
             })
             .collect();
+        // The same weights in column panels, as the loader holds them where the CPU has a
+        // panel kernel (`tpserve_kernels::panels`).
+        let packed: Vec<(Vec<f32>, Vec<u16>)> = weights
+            .iter()
+            .map(|w| {
+                let (n, k) = w.dims2().unwrap();
+                let values = w.flatten_all().unwrap();
+                if dtype == DType::BF16 {
+                    let bits: Vec<u16> = values.to_vec1::<half::bf16>().unwrap().iter().map(|b| b.to_bits()).collect();
+                    (Vec::new(), panels::pack_bf16(&bits, n, k))
+                } else {
+                    (panels::pack_f32(&values.to_vec1::<f32>().unwrap(), n, k), Vec::new())
+                }
+            })
+            .collect();
         let bytes = (params * dtype.size_in_bytes()) as f64;
-        for m in [1, 4, 16, 32, 64, 128, 256] {
+        for m in [1, 4, 8, 16, 32, 64, 128, 256, 512] {
             let xs: Vec<Tensor> = [HIDDEN, 2048]
                 .iter()
                 .map(|&k| Tensor::from_vec((0..m * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect::<Vec<f32>>(), (m, k), &Device::Cpu).unwrap())
@@ -117,6 +135,18 @@ fn run() {
                 });
                 runs.push((isa.name().to_string(), seconds));
             }
+            let x_values: Vec<Vec<f32>> = xs.iter().map(|x| x.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect();
+            for isa in Isa::ALL.into_iter().filter(|isa| isa.available() && panels::packs_for(*isa)) {
+                let seconds = best(3, || {
+                    for (w, (f32s, bf16s)) in weights.iter().zip(&packed) {
+                        let (n, k) = w.dims2().unwrap();
+                        let held = if dtype == DType::BF16 { Packed::Bf16(bf16s) } else { Packed::F32(f32s) };
+                        let x = if k == HIDDEN { &x_values[0] } else { &x_values[1] };
+                        std::hint::black_box(panels::matmul(x, m, k, held, n, isa));
+                    }
+                });
+                runs.push((format!("panels-{}", isa.name()), seconds));
+            }
             // candle's gemm (for bf16 weights: on an f32 copy made per call, what the model
             // falls back to when the kernel declines)
             let seconds = best(3, || {
@@ -131,7 +161,7 @@ fn run() {
                 let flops = 2.0 * (params * m) as f64 / seconds / 1e9;
                 let stream = bytes / seconds / 1e9;
                 println!(
-                    "{dtype:?} m={m:<2} {name:>7}: {:7.2} ms/step  {stream:5.1} GB/s ({:3.0}% of bandwidth)  {flops:6.1} GFLOP/s",
+                    "{dtype:?} m={m:<2} {name:>14}: {:7.2} ms/step  {stream:5.1} GB/s ({:3.0}% of bandwidth)  {flops:6.1} GFLOP/s",
                     seconds * 1e3,
                     100.0 * stream / gbs
                 );
