@@ -16,6 +16,7 @@ use super::config::Fields;
 use super::loader::ShardLoader;
 use super::parallel::TpGroup;
 use super::placement::Placement;
+use super::quant::Weight;
 
 /// Hyper-parameters of a sparse MoE block.
 #[derive(Debug, Clone)]
@@ -94,9 +95,10 @@ impl MoeConfig {
 }
 
 /// This rank's slice of one SwiGLU expert; its output is partial until summed over ranks.
+/// Dense weights, in column panels on a CPU that has them (`Weight::dense`).
 struct ExpertSlice {
-    gate_up: Tensor, // [2 * local_intermediate, hidden]: gate rows, then up rows
-    down: Tensor,    // [hidden, local_intermediate]
+    gate_up: Weight, // [2 * local_intermediate, hidden]: gate rows, then up rows
+    down: Weight,    // [hidden, local_intermediate]
 }
 
 impl ExpertSlice {
@@ -107,18 +109,18 @@ impl ExpertSlice {
         let gate = loader.matmul_slice(&format!("{prefix}.gate_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
         let up = loader.matmul_slice(&format!("{prefix}.up_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
         let down = loader.matmul_slice(&format!("{prefix}.down_proj.weight"), &[hidden, intermediate], 1, &[rows])?;
-        Ok(Self { gate_up: Tensor::cat(&[gate, up], 0)?, down })
+        Ok(Self { gate_up: Weight::dense(Tensor::cat(&[gate, up], 0)?)?, down: Weight::dense(down)? })
     }
 
     /// x [tokens, hidden] -> this rank's partial [tokens, hidden]
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let activated = swiglu(&linear(x, &self.gate_up)?)?; // gate_up holds gate then up
-        linear(&activated, &self.down)
+        let activated = swiglu(&self.gate_up.matmul_t(x)?)?; // gate_up holds gate then up
+        self.down.matmul_t(&activated)
     }
 }
 
-/// `x @ weight.T`, through the decode kernel when it applies (a token routed to an expert is
-/// a few rows).
+/// `x @ weight.T` for the router and the shared expert's gate (one or a few output columns,
+/// row-major: the decode kernel when it applies).
 fn linear(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     super::parallel::matmul_transposed(x, weight)
 }
@@ -149,7 +151,7 @@ impl SparseMoe {
             let gate_up = loader.matmul_slice("experts.gate_up_proj", &[e, 2 * inter, hidden], 1, &[rows.clone(), upper])?;
             let down = loader.matmul_slice("experts.down_proj", &[e, hidden, inter], 2, &[rows])?;
             (0..e)
-                .map(|i| Ok(ExpertSlice { gate_up: gate_up.get(i)?.contiguous()?, down: down.get(i)?.contiguous()? }))
+                .map(|i| Ok(ExpertSlice { gate_up: Weight::dense(gate_up.get(i)?.contiguous()?)?, down: Weight::dense(down.get(i)?.contiguous()?)? }))
                 .collect::<Result<Vec<_>>>()?
         } else {
             (0..e)
@@ -169,7 +171,8 @@ impl SparseMoe {
     pub fn weights(&self) -> Vec<&Tensor> {
         let mut all = vec![&self.router];
         for expert in self.experts.iter().chain(self.shared.iter().map(|(s, _)| s)) {
-            all.extend([&expert.gate_up, &expert.down]);
+            all.extend(expert.gate_up.tensors());
+            all.extend(expert.down.tensors());
         }
         all.extend(self.shared.iter().map(|(_, gate)| gate));
         all

@@ -15,6 +15,10 @@
 //! order of additions. Every element's additions happen in the same order whatever the number of
 //! rows, so a row's result does not depend on the batch it is in.
 //!
+//! On a CPU with AVX-512F the model holds dense weights in column panels instead
+//! ([`crate::panels`], faster at every row count); these tiles serve the other paths and the
+//! few weights that stay row-major (an MoE router, dense rows inside a quantized weight).
+//!
 //! One place, [`Isa::selected`], picks the instruction set: AVX-512F, AVX2 + FMA, or portable
 //! Rust. `TPSERVE_CPU_ISA=portable|avx2|avx512` caps it (for tests and comparisons), and
 //! [`matmul_transposed_with`] takes it explicitly.
