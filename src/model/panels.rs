@@ -59,11 +59,12 @@ impl PanelMatrix {
     /// them again).
     pub fn unpack(&self) -> Result<Tensor> {
         let (rows, cols) = (self.rows, self.cols);
-        let (storage, _) = self.data.storage_and_layout();
+        let (storage, layout) = self.data.storage_and_layout();
         let Storage::Cpu(cpu) = &*storage else { bail!("panel weights live on the CPU") };
+        let range = layout.start_offset()..layout.start_offset() + self.data.elem_count();
         Ok(match self.data.dtype() {
-            DType::F32 => Tensor::from_vec(panels::unpack_f32(cpu.as_slice::<f32>()?, cols, 0..rows), (rows, cols), &Device::Cpu)?,
-            DType::BF16 => Tensor::from_vec(panels::unpack_bf16(cpu.as_slice::<half::bf16>()?, cols, 0..rows), (rows, cols), &Device::Cpu)?,
+            DType::F32 => Tensor::from_vec(panels::unpack_f32(&cpu.as_slice::<f32>()?[range], cols, 0..rows), (rows, cols), &Device::Cpu)?,
+            DType::BF16 => Tensor::from_vec(panels::unpack_bf16(&cpu.as_slice::<half::bf16>()?[range], cols, 0..rows), (rows, cols), &Device::Cpu)?,
             other => bail!("no panel layout for {other:?}"),
         })
     }

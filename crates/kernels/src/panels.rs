@@ -8,9 +8,9 @@
 //! of 16 weights, one per column. A tile keeps `R x V` vector accumulators, `R` x rows against
 //! `V` panels; at each k it loads `V` weight vectors and broadcasts one x value per row, so a
 //! loaded weight serves `R` rows and a broadcast serves `V` panels, and no horizontal sum is
-//! needed (a whole step of the 100M Qwen3 shape, Ice Lake, 2 threads, one process: bf16 1.25x
-//! the tiles' speed at 8 rows, 1.36x at 16, 1.73x at 32, 1.37x at 512; f32 1.27x at 16, 1.54x
-//! at 64; batch 1 1.1-1.2x).
+//! needed (a whole step of the 100M Qwen3 shape, Ice Lake, 2 threads, alternating in one
+//! process: bf16 1.16x the tiles' speed at 1 row, 1.39x at 8, 1.25x at 16, 1.55x at 32, 1.45x
+//! at 512; f32 1.19x at 1 and at 16 rows, 1.46x at 64).
 //!
 //! bf16 panels hold pairs: the 32-bit lane of a column at pair `j` has the weight at k = 2j in
 //! its low half and k = 2j + 1 in its high half. A shift left by 16 widens the first and a mask
@@ -41,8 +41,9 @@ pub const PANEL: usize = 16;
 const K_RUN: usize = 64;
 /// Panels per parallel task: large enough to amortise scheduling, small enough to balance.
 const TASK_PANELS: usize = 6;
-/// x rows a task takes through all of its panels before the next rows: the rows (up to 288 KiB
-/// at k = 768) and the task's panels stay in L2 while every tile of the block reads them.
+/// x rows a task takes through all of its panels before the next rows, so that a long prompt's
+/// block of rows (147 KiB at k = 768, 393 KiB at 2,048) stays in L2 beside the task's panels
+/// while every tile of the block reads it.
 const ROW_BLOCK: usize = 48;
 
 /// Whether the loader should pack dense weights for this path: it has a panel body.
@@ -191,8 +192,9 @@ fn for_each_tile(panels: std::ops::Range<usize>, n: usize, m: usize, group: usiz
     }
 }
 
-/// The portable body: the same tiles and order of additions as the SIMD body, one multiply and
-/// one add per term (not fused, so its last bits may differ from the SIMD body's).
+/// The portable body: each element's additions in the SIMD body's order (runs of [`K_RUN`] from
+/// zero, added to the total in turn), one multiply and one add per term (not fused, so its last
+/// bits may differ from the SIMD body's), a row and a panel at a time.
 fn portable_task(out: Output, panels: std::ops::Range<usize>, w: Packed, n: usize, x: &[f32], m: usize, k: usize) {
     let weight = |column: usize, kk: usize| match w {
         Packed::F32(p) => p[position(column, kk, k, false)],
@@ -228,8 +230,8 @@ mod x86 {
 
     /// x rows per tile.
     const R: usize = 8;
-    /// Panels per tile: `R * V` = 24 accumulators, `V` weight vectors, `V` widened ones and a
-    /// broadcast, 31 of the 32 registers.
+    /// Panels per tile: `R * V` = 24 accumulators, `V` weight vectors, `V` widened ones, a
+    /// broadcast and bf16's mask, the 32 registers.
     const V: usize = 3;
 
     /// One task's panels against every x row.

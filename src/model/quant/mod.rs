@@ -174,8 +174,8 @@ impl Weight {
             return Ok(parts.into_iter().next().expect("one part"));
         }
         // Dense parts (panels unpacked) are stacked row-major, then held as one weight again.
-        let dense: Vec<Tensor> = parts.iter().map(Weight::row_major).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
-        if dense.len() == parts.len() {
+        if parts.iter().all(|p| !matches!(p, Weight::Quant(_))) {
+            let dense: Vec<Tensor> = parts.iter().map(Weight::row_major).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
             return Weight::dense(Tensor::cat(&dense, 0)?);
         }
         let cols = parts[0].dims2()?.1;
