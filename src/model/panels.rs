@@ -55,6 +55,35 @@ impl PanelMatrix {
         Ok(PanelMatrix { rows, cols, data })
     }
 
+    /// `parts` stacked by rows (fused q/k/v, gate/up) without unpacking them, when every part
+    /// but the last fills its last panel (then the packings simply follow one another) and all
+    /// share a dtype and a width; None otherwise.
+    pub fn stack(parts: &[&PanelMatrix]) -> Result<Option<PanelMatrix>> {
+        let Some(first) = parts.first() else { return Ok(None) };
+        let aligned = parts[..parts.len() - 1].iter().all(|p| p.rows % panels::PANEL == 0);
+        if !aligned || parts.iter().any(|p| p.cols != first.cols || p.dtype() != first.dtype()) {
+            return Ok(None);
+        }
+        fn gather<T: Copy + candle_core::WithDType>(parts: &[&PanelMatrix]) -> Result<Tensor> {
+            let len = parts.iter().map(|p| p.data.elem_count()).sum();
+            // Advised for 2 MiB pages before it is written, as a packing is (`pages`).
+            let mut out: Vec<T> = Vec::with_capacity(len);
+            tpserve_kernels::pages::advise_unwritten(out.spare_capacity_mut());
+            for p in parts {
+                let (storage, layout) = p.data.storage_and_layout();
+                let Storage::Cpu(cpu) = &*storage else { bail!("panel weights live on the CPU") };
+                out.extend_from_slice(&cpu.as_slice::<T>()?[layout.start_offset()..layout.start_offset() + p.data.elem_count()]);
+            }
+            Ok(Tensor::from_vec(out, len, &Device::Cpu)?)
+        }
+        let data = match first.dtype() {
+            DType::F32 => gather::<f32>(parts)?,
+            DType::BF16 => gather::<half::bf16>(parts)?,
+            other => bail!("no panel layout for {other:?}"),
+        };
+        Ok(Some(PanelMatrix { rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols, data }))
+    }
+
     /// The row-major `[rows, cols]` tensor it was packed from (to stack weights before packing
     /// them again).
     pub fn unpack(&self) -> Result<Tensor> {
@@ -147,6 +176,20 @@ mod tests {
             let diff = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
             assert!(diff < 1e-4, "{dtype:?}: {diff}");
             assert!(stacked.matmul_t(&matrix(2, 69, 4, DType::F32)).is_err(), "a wrong width is an error");
+
+            // Parts that fill their last panels (32 + 16 rows, then a ragged 5) stack as they are
+            // packed, and equal the packing of the stacked rows.
+            let parts = [matrix(32, 70, 5, dtype), matrix(16, 70, 6, dtype), matrix(5, 70, 7, dtype)];
+            let held: Vec<Weight> = parts.iter().map(|t| Weight::dense(t.clone()).unwrap()).collect();
+            let packed: Vec<&PanelMatrix> = held.iter().map(|w| match w {
+                Weight::Panels(p) => p.as_ref(),
+                _ => unreachable!("packed above"),
+            }).collect();
+            let fast = PanelMatrix::stack(&packed).unwrap().expect("aligned parts stack in place");
+            let slow = PanelMatrix::pack(&Tensor::cat(&parts, 0).unwrap()).unwrap();
+            same(fast.data(), slow.data());
+            assert_eq!((fast.rows, fast.cols), (53, 70));
+            assert!(PanelMatrix::stack(&[packed[2], packed[0]]).unwrap().is_none(), "a ragged part that is not last");
         }
     }
 }

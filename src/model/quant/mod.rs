@@ -173,7 +173,12 @@ impl Weight {
         if parts.len() == 1 {
             return Ok(parts.into_iter().next().expect("one part"));
         }
-        // Dense parts (panels unpacked) are stacked row-major, then held as one weight again.
+        // Panels stack as they are where they can; other dense parts (panels unpacked) are
+        // stacked row-major, then held as one weight again.
+        let packed: Vec<&PanelMatrix> = parts.iter().filter_map(|p| if let Weight::Panels(p) = p { Some(p.as_ref()) } else { None }).collect();
+        if packed.len() == parts.len() && let Some(stacked) = PanelMatrix::stack(&packed)? {
+            return Ok(Weight::Panels(Arc::new(stacked)));
+        }
         if parts.iter().all(|p| !matches!(p, Weight::Quant(_))) {
             let dense: Vec<Tensor> = parts.iter().map(Weight::row_major).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
             return Weight::dense(Tensor::cat(&dense, 0)?);
