@@ -316,7 +316,7 @@ mod x86 {
                 }
             };
             let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-            let pair = |j: usize| -> [__m512i; TV] { std::array::from_fn(|v| load512i(w[v].cast::<u16>().add(j * 2 * PANEL).cast())) };
+            let pair = |j: usize| -> [__m512i; TV] { std::array::from_fn(|v| _mm512_loadu_si512(w[v].cast::<u16>().add(j * 2 * PANEL).cast())) };
             let mut start = 0;
             while start < k {
                 // A run of K_RUN terms from zero (K_RUN is even: a run starts on a pair).
@@ -334,7 +334,7 @@ mod x86 {
                     }
                 } else {
                     for kk in start..end {
-                        step(&mut acc, &std::array::from_fn(|v| load512(w[v].cast::<f32>().add(kk * PANEL))), kk);
+                        step(&mut acc, &std::array::from_fn(|v| _mm512_loadu_ps(w[v].cast::<f32>().add(kk * PANEL))), kk);
                     }
                 }
                 // The run's sums into the outputs: stored after the first run, added
@@ -373,25 +373,6 @@ mod x86 {
         // SAFETY: as the caller promises; masked-off lanes are not read.
         unsafe { _mm512_maskz_loadu_ps(((1u32 << lanes) - 1) as __mmask16, p) }
     }
-
-    /// # Safety
-    /// `p` points to 16 readable f32.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load512(p: *const f32) -> __m512 {
-        // SAFETY: as the caller promises; unaligned loads are allowed.
-        unsafe { _mm512_loadu_ps(p) }
-    }
-
-    /// # Safety
-    /// `p` points to 64 readable bytes.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load512i(p: *const __m512i) -> __m512i {
-        // SAFETY: as the caller promises; unaligned loads are allowed.
-        unsafe { _mm512_loadu_si512(p) }
-    }
-
 }
 
 #[cfg(test)]
