@@ -271,8 +271,8 @@ fn add_weighted_values(
     // Wide enough runs of output elements to keep eight vector sums going on AVX2. AVX-512
     // takes runs of 64 (four 16-lane sums a head, 12 to 16 in all, of its 32 registers): each
     // value row is read once, whole, rather than a quarter of it in each of four passes over the
-    // history, and three heads no longer wait on three chains of additions (1.2-1.4x the
-    // AVX-512 step at 64-1,024 positions in `attention_decode`).
+    // history, and three heads no longer wait on three chains of additions (1.02-1.42x,
+    // about 1.1x most often, the AVX-512 step at 64-1,024 positions in `attention_decode`).
     let wide = isa == Isa::Avx512 && head_dim.is_multiple_of(64);
     match (out.len() / head_dim, wide) {
         (1, _) => heads_values::<1, 64>([head(0)], history, kv_heads, head_dim, kv, out),
