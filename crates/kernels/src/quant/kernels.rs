@@ -126,7 +126,7 @@ pub fn quantize_act(x: &[f32]) -> ActQ8 {
 unsafe fn quantize_act_avx2(x: &[f32]) -> ActQ8 {
     use std::arch::x86_64::*;
     let blocks = x.len() / QK;
-    let mut act = ActQ8 { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), qs: vec![0; blocks * QK], sums: Vec::with_capacity(blocks) };
+    let mut act = ActQ8 { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), qs: vec![0; x.len()], sums: Vec::with_capacity(blocks) };
     for (values, qs) in x.chunks_exact(QK).zip(act.qs.chunks_exact_mut(QK)) {
         // SAFETY: AVX2 is enabled here; `values` holds QK = 32 floats, read as four vectors,
         // and `qs` 32 bytes, written as one.
