@@ -160,7 +160,7 @@ fn in_process_decode(model: &std::path::Path, format: &str) -> f64 {
     let (dtype, quantize) = if flag == "--quantize" { ("auto", value) } else { (value, "") };
     let device = candle_core::Device::Cpu;
     let (dtype, quant) = tpserve::model::parse_load_dtype(dtype, quantize, &device, model).unwrap();
-    let options = LoadOptions { dtype, device };
+    let options = LoadOptions { dtype, device, products: tpserve::model::Products::Exact };
     let model = Model::load_quantized(model, &TpGroup::single(), &options, quant, Arc::new(LoadProgress::default())).unwrap();
     let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|t| (t * 7919) % 32000).collect();
     let mut best: f64 = 0.0;

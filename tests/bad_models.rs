@@ -18,7 +18,7 @@ fn group(world_size: usize) -> TpGroup {
 }
 
 fn load_error(dir: &Path, world_size: usize) -> String {
-    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu };
+    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu, products: tpserve::model::Products::Exact };
     match Model::load(dir, &group(world_size), &options, Arc::new(LoadProgress::default())) {
         Ok(_) => panic!("loading {} at TP {world_size} should fail", dir.display()),
         Err(err) => format!("{err:#}"),

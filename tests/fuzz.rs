@@ -270,7 +270,7 @@ fn safetensors_loader_survives_corruption() {
             }
         }
         std::fs::write(dir.path().join("model.safetensors"), &bytes).unwrap();
-        let options = tpserve::model::LoadOptions { dtype: Some(candle_core::DType::F32), device: candle_core::Device::Cpu };
+        let options = tpserve::model::LoadOptions { dtype: Some(candle_core::DType::F32), device: candle_core::Device::Cpu, products: tpserve::model::Products::Exact };
         let group = tpserve::model::parallel::TpGroup::single();
         match tpserve::model::Model::load(dir.path(), &group, &options, Arc::new(Default::default())) {
             Ok(_) => loaded += 1,
@@ -319,6 +319,7 @@ async fn rank_survives_random_steps() {
         dtype: "f32".into(),
         epoch: 1,
         quantize: String::new(),
+        matmul_precision: String::new(),
         kv_block_size: 16,
         kv_blocks: 0,
     };

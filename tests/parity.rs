@@ -15,7 +15,7 @@ use common::{ShardRun, Transport};
 const EOS: u32 = 2;
 
 fn load_single(name: &str) -> Model {
-    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu };
+    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu, products: tpserve::model::Products::Exact };
     Model::load(&common::fixture(name), &TpGroup::single(), &options, Arc::new(LoadProgress::default()))
         .expect("model loads")
 }
@@ -127,7 +127,7 @@ fn sharded_checkpoint_with_index_matches_reference() {
     let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
     std::fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).unwrap();
 
-    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu };
+    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu, products: tpserve::model::Products::Exact };
     let model = Model::load(dir.path(), &TpGroup::single(), &options, Arc::new(LoadProgress::default())).unwrap();
     let prompt = &common::expected("qwen3_b")[0];
     let result = offline::greedy(&model, 1, &prompt.ids, 16, 0, &[EOS]).unwrap().unwrap();
@@ -140,7 +140,7 @@ fn sharded_checkpoint_with_index_matches_reference() {
 #[test]
 fn bf16_resident_weights_meet_the_f32_tolerance() {
     let f32_bytes = load_single("qwen3_c_bf16").weight_bytes();
-    let options = LoadOptions { dtype: Some(DType::BF16), device: Device::Cpu };
+    let options = LoadOptions { dtype: Some(DType::BF16), device: Device::Cpu, products: tpserve::model::Products::Exact };
     let model = Model::load(&common::fixture("qwen3_c_bf16"), &TpGroup::single(), &options, Arc::new(LoadProgress::default()))
         .unwrap();
     assert_eq!(model.dtype(), DType::BF16);
@@ -155,6 +155,31 @@ fn bf16_resident_weights_meet_the_f32_tolerance() {
         assert!(diff < 1e-4, "prompt {i}: logits differ by {diff}");
     }
     println!("bf16-resident weights ({:?} kernel): max |logit diff| = {worst:.3e}", tpserve::model::cpu_matmul::Isa::selected());
+}
+
+/// `--matmul-precision bf16`: bf16 weights whose products round the activations to bf16
+/// (`vdpbf16ps` where the CPU has avx512_bf16). Lossy, so it meets a half-precision tolerance of
+/// the f32-compute reference, not the f32 one; prints the logit difference and how many greedy
+/// ids agree with the reference.
+#[test]
+fn bf16_products_stay_close_to_the_f32_compute_reference() {
+    let options = LoadOptions { dtype: Some(DType::BF16), device: Device::Cpu, products: tpserve::model::Products::Bf16 };
+    let progress = Arc::new(LoadProgress::default());
+    let model = Model::load(&common::fixture("qwen3_c_bf16"), &TpGroup::single(), &options, progress.clone()).unwrap();
+    let fast = tpserve_kernels::panels::bf16_dot_available();
+    // The load says which products it holds: bf16 ones only where the CPU sums bf16 pairs.
+    assert_eq!(progress.format_summary().contains("bf16 products"), fast, "{}", progress.format_summary());
+    for (i, prompt) in common::expected("qwen3_c_bf16").iter().enumerate() {
+        let result = offline::greedy(&model, 1, &prompt.ids, 16, 0, &[EOS]).unwrap().unwrap();
+        let diff = common::max_abs_diff(&result.last_logits, &prompt.last_logits);
+        let agree = result.new_ids.iter().zip(&prompt.greedy_new_ids).take_while(|(a, b)| a == b).count();
+        println!("bf16 products (instruction: {fast}), prompt {i}: max |logit diff| vs f32 compute = {diff:.3e}; greedy ids agree for {agree} of {}", prompt.greedy_new_ids.len());
+        if !fast {
+            assert!(diff < 1e-4, "exact products where the CPU has no avx512_bf16: prompt {i}: {diff}");
+            continue;
+        }
+        assert!(diff < 0.05, "prompt {i}: {diff}");
+    }
 }
 
 /// The same at TP 2 in separate processes, on the selected kernel path and the portable one.
@@ -177,7 +202,7 @@ fn bf16_resident_weights_tp2_match_reference_on_every_kernel_path() {
 #[test]
 fn half_precision_compute_stays_close_to_reference() {
     for dtype in [None, Some(DType::F16)] {
-        let options = LoadOptions { dtype, device: Device::Cpu };
+        let options = LoadOptions { dtype, device: Device::Cpu, products: tpserve::model::Products::Exact };
         let model = Model::load(&common::fixture("qwen3_c_bf16"), &TpGroup::single(), &options, Arc::new(LoadProgress::default()))
             .unwrap();
         let expected_dtype = dtype.unwrap_or(DType::BF16);

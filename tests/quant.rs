@@ -18,7 +18,7 @@ use common::{ShardRun, Transport};
 const EOS: u32 = 2;
 
 fn load(name: &str, quant: QuantMode) -> (Model, Arc<LoadProgress>) {
-    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu };
+    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu, products: tpserve::model::Products::Exact };
     let progress = Arc::new(LoadProgress::default());
     let model = Model::load_quantized(&common::fixture(name), &TpGroup::single(), &options, quant, progress.clone())
         .expect("model loads");

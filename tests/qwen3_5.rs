@@ -29,7 +29,7 @@ const FIXTURES: [&str; 3] = ["qwen3_5_dense", "qwen3_5_moe", "qwen3_moe"];
 const HYBRID: [&str; 2] = ["qwen3_5_dense", "qwen3_5_moe"];
 
 fn load_in_process(dir: &Path) -> (Model, u64) {
-    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu };
+    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu, products: tpserve::model::Products::Exact };
     let progress = Arc::new(LoadProgress::default());
     let model = Model::load(dir, &TpGroup::single(), &options, progress.clone()).expect("model loads");
     (model, progress.bytes.load(Ordering::Relaxed))
@@ -156,7 +156,7 @@ fn a_step_makes_two_all_reduces_per_layer() {
     for name in FIXTURES {
         let counter = Arc::new(CountingRank0(AtomicUsize::new(0)));
         let group = TpGroup::new(counter.clone());
-        let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu };
+        let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu, products: tpserve::model::Products::Exact };
         let model = Model::load(&common::fixture(name), &group, &options, Arc::new(LoadProgress::default())).unwrap();
         let layers = model.config().num_hidden_layers;
         let ids = &common::expected(name)[2].ids;
@@ -405,6 +405,7 @@ fn admin_load(address: &str, model_id: &str, path: &Path) {
             path: path.display().to_string(),
             dtype: String::new(),
             quantize: String::new(),
+            matmul_precision: String::new(),
         });
         let bearer = format!("Bearer {ADMIN_TOKEN}").parse().unwrap();
         request.metadata_mut().insert("authorization", bearer);
@@ -459,7 +460,7 @@ fn greedy_ids_through_serve_and_generate_equal_reference() {
 #[test]
 fn indivisible_sizes_are_refused_at_load_naming_the_field() {
     let group = TpGroup { rank: 0, world_size: 3, comm: Arc::new(tpserve::comm::SingleRank) };
-    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu };
+    let options = LoadOptions { dtype: Some(DType::F32), device: Device::Cpu, products: tpserve::model::Products::Exact };
     for (name, edits, field) in [
         ("qwen3_5_dense", vec![], "num_attention_heads (8)"),
         ("qwen3_5_dense", vec![("num_attention_heads", 6), ("num_key_value_heads", 3)], "linear_num_value_heads (8)"),

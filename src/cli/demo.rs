@@ -54,7 +54,7 @@ pub async fn run() -> Result<ExitCode> {
         load_timeout_secs: 600,
     };
     let ranks = RankSettings { log_filter: Some("error".to_owned()), ..RankSettings::default() };
-    let cluster = LocalCluster::start(&model_dir, TP, WeightFormat { dtype: "f32".into(), quantize: String::new() }, ranks, &scheduler, ServerSettings::default(), listen.clone()).await?;
+    let cluster = LocalCluster::start(&model_dir, TP, WeightFormat::dtype("f32"), ranks, &scheduler, ServerSettings::default(), listen.clone()).await?;
     let outcome = generate_once(&listen).await;
     cluster.shutdown().await?;
     let summary = outcome?;

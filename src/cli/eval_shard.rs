@@ -55,6 +55,9 @@ pub struct EvalShardArgs {
     /// q5_0, q5_1, q4_k, q5_k, q6_k; none keeps the dtype
     #[arg(long, default_value = "none")]
     pub quantize: String,
+    /// exact, or bf16: bf16 weights' products with activations rounded to bf16 (CPU)
+    #[arg(long, default_value = "exact")]
+    pub matmul_precision: String,
     /// Token ids never chosen (EOS while it is ignored)
     #[arg(long, value_delimiter = ',')]
     pub suppress: Vec<u32>,
@@ -129,7 +132,8 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
     let group = TpGroup::new(comm.clone());
     let (dtype, quant) = crate::model::parse_load_dtype(&args.dtype, &args.quantize, &device, &args.model).map_err(anyhow::Error::msg)?;
     let started = Instant::now();
-    let options = LoadOptions { dtype, device };
+    let products = crate::model::parse_matmul_precision(&args.matmul_precision, dtype, quant, &device).map_err(anyhow::Error::msg)?;
+    let options = LoadOptions { dtype, device, products };
     let progress = Arc::new(LoadProgress::default());
     let model = Model::load_quantized(&args.model, &group, &options, quant, progress.clone())?;
     tracing::info!(formats = %progress.format_summary(), weight_bytes = model.weight_bytes(), "shard loaded");

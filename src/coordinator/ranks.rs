@@ -24,11 +24,20 @@ const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 type Client = RankClient<InterceptedService<Channel, AttachToken>>;
 
-/// How the ranks hold a model's weights: `--dtype` and `--quantize`, sent in LoadShard.
+/// How the ranks hold a model's weights: `--dtype`, `--quantize` and `--matmul-precision`,
+/// sent in LoadShard.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WeightFormat {
     pub dtype: String,
     pub quantize: String,
+    pub matmul_precision: String,
+}
+
+impl WeightFormat {
+    /// Weights in `dtype`, not quantized, with exact products.
+    pub fn dtype(dtype: &str) -> WeightFormat {
+        WeightFormat { dtype: dtype.to_owned(), ..WeightFormat::default() }
+    }
 }
 
 #[derive(Clone)]
@@ -142,6 +151,7 @@ impl RankSet {
                 dtype: weights.dtype.clone(),
                 epoch,
                 quantize: weights.quantize.clone(),
+                matmul_precision: weights.matmul_precision.clone(),
                 kv_block_size: crate::model::paged::DEFAULT_BLOCK_SIZE as u32,
                 kv_blocks,
             };

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
-use super::quant::{QuantMode, Weight};
+use super::quant::{Products, QuantMode, Weight};
 
 /// Counters a loading rank updates as it copies its shard, read by the LoadShard progress stream.
 #[derive(Debug, Default)]
@@ -36,7 +36,7 @@ impl LoadProgress {
                 *formats.entry(format!("{:?}", t.dtype()).to_lowercase()).or_default() += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
             }
             Weight::Panels(p) => {
-                *formats.entry(format!("{:?}", p.dtype()).to_lowercase()).or_default() += (p.data().elem_count() * p.dtype().size_in_bytes()) as u64;
+                *formats.entry(super::quant::panel_format(p)).or_default() += (p.data().elem_count() * p.dtype().size_in_bytes()) as u64;
             }
             Weight::Quant(q) => {
                 for s in &q.segments {
@@ -232,12 +232,13 @@ pub struct ShardLoader {
     dtype: DType,
     matmul_dtype: DType,
     quant: super::quant::QuantMode,
+    products: Products,
     progress: Arc<LoadProgress>,
 }
 
 impl ShardLoader {
     pub fn new(files: Arc<WeightFiles>, device: Device, dtype: DType, progress: Arc<LoadProgress>) -> Self {
-        Self { files, prefix: String::new(), device, dtype, matmul_dtype: dtype, quant: Default::default(), progress }
+        Self { files, prefix: String::new(), device, dtype, matmul_dtype: dtype, quant: Default::default(), products: Products::Exact, progress }
     }
 
     /// Keeps the weights of matrix products (linear layers, embedding tables, experts) in
@@ -255,6 +256,18 @@ impl ShardLoader {
 
     pub fn quant(&self) -> super::quant::QuantMode {
         self.quant
+    }
+
+    /// Multiplies bf16 weights in precision `products` ([`Products::Bf16`]: activations rounded
+    /// to bf16), for the weights held through [`Self::dense`].
+    pub fn with_products(self, products: Products) -> Self {
+        Self { products, ..self }
+    }
+
+    /// A dense weight of matrix products as this load holds it ([`Weight::dense`], in this
+    /// load's precision).
+    pub fn dense(&self, t: Tensor) -> Result<Weight> {
+        Weight::dense(t, self.products)
     }
 
     /// A loader for the names under `prefix.` (like candle's `VarBuilder::pp`).
@@ -351,7 +364,7 @@ impl ShardLoader {
                 }
             }
         }
-        let weight = Weight::dense(self.matmul_slice(name, expected_shape, dim, ranges)?)?;
+        let weight = self.dense(self.matmul_slice(name, expected_shape, dim, ranges)?)?;
         self.progress.record(&weight);
         Ok(weight)
     }

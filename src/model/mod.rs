@@ -35,7 +35,7 @@ use candle_core::{DType, Device, Tensor};
 pub use cache::{CacheStore, SequenceCache};
 pub use config::{ModelConfig, ModelFamily};
 use loader::{LoadProgress, ShardLoader, WeightFiles};
-pub use quant::QuantMode;
+pub use quant::{Products, QuantMode};
 use parallel::TpGroup;
 
 /// The new tokens of one sequence in a step: `tokens` occupy positions
@@ -75,6 +75,9 @@ pub struct LoadOptions {
     /// `cpu_matmul`), as exact as converting the weights to f32.
     pub dtype: Option<DType>,
     pub device: Device,
+    /// how bf16 weights' products are computed on the CPU (`--matmul-precision`):
+    /// [`Products::Exact`], or with the activations rounded to bf16
+    pub products: Products,
 }
 
 /// (compute dtype, dtype of the weights of matrix products) for weights in `dtype`.
@@ -138,6 +141,36 @@ pub fn parse_load_dtype(
     })
 }
 
+/// The products `--matmul-precision` asks for (`exact`, the default, or `bf16`), for the weights
+/// [`parse_load_dtype`] chose: `bf16` rounds the activations of bf16 weights' products to bf16,
+/// as torch and llama.cpp compute a bf16 model (CPU; lossy, faster in a batch where the CPU has
+/// avx512_bf16).
+pub fn parse_matmul_precision(text: &str, dtype: Option<DType>, quant: QuantMode, device: &Device) -> std::result::Result<Products, String> {
+    match text {
+        "" | "exact" => Ok(Products::Exact),
+        "bf16" => {
+            if !device.is_cpu() {
+                return Err("--matmul-precision bf16 is for bf16 weights on the CPU (on a GPU, --dtype bf16 computes in bf16)".into());
+            }
+            if let QuantMode::To(format) = quant {
+                return Err(format!(
+                    "--matmul-precision bf16 is for bf16 weights; --quantize {} multiplies 8-bit activations",
+                    quant::formats::name(format)
+                ));
+            }
+            match dtype {
+                // a checkpoint's own dtype: bf16 weights use it, others stay exact
+                Some(DType::BF16) | None => Ok(Products::Bf16),
+                Some(other) => Err(format!(
+                    "--matmul-precision bf16 is for bf16 weights, and these load as {}: pass --dtype bf16",
+                    format!("{other:?}").to_lowercase()
+                )),
+            }
+        }
+        other => Err(format!("unknown matmul precision \"{other}\" (expected exact or bf16)")),
+    }
+}
+
 /// A loaded shard: every family is the one decoder of `decoder.rs` with per-layer mixers
 /// (attention or Gated DeltaNet) and feed-forwards (dense or MoE).
 pub use decoder::Model;
@@ -172,8 +205,17 @@ impl Model {
         if quant != QuantMode::Off && (!options.device.is_cpu() || compute != DType::F32) {
             anyhow::bail!("quantized weights need the CPU and f32 compute (got {:?} on {:?})", compute, options.device);
         }
-        let loader =
-            ShardLoader::new(files, options.device.clone(), compute, progress).with_matmul_dtype(matmul).with_quant(quant);
+        let products = if options.products == Products::Bf16 && !tpserve_kernels::panels::bf16_dot_available() {
+            // Same values without the instruction, so no faster: keep the exact products.
+            tracing::warn!("this CPU has no avx512_bf16 (or AVX-512 is capped off): bf16 weights keep exact products");
+            Products::Exact
+        } else {
+            options.products
+        };
+        let loader = ShardLoader::new(files, options.device.clone(), compute, progress)
+            .with_matmul_dtype(matmul)
+            .with_quant(quant)
+            .with_products(products);
         let model = match config.family {
             ModelFamily::Qwen3 | ModelFamily::Llama => qwen3::load(&loader, group, &config),
             ModelFamily::Qwen3Moe => qwen3_moe::load(&loader, group, &config),
@@ -349,4 +391,26 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let variance = x32.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
     let normed = x32.broadcast_div(&(variance + eps)?.sqrt()?)?.to_dtype(dtype)?;
     Ok(normed.broadcast_mul(weight)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matmul_precision_bf16_needs_bf16_weights_on_the_cpu() {
+        let cpu = Device::Cpu;
+        let bf16 = Some(DType::BF16);
+        assert_eq!(parse_matmul_precision("", Some(DType::F32), QuantMode::Off, &cpu), Ok(Products::Exact));
+        assert_eq!(parse_matmul_precision("exact", bf16, QuantMode::Off, &cpu), Ok(Products::Exact));
+        assert_eq!(parse_matmul_precision("bf16", bf16, QuantMode::Off, &cpu), Ok(Products::Bf16));
+        // each refusal says what to do instead
+        let f32_weights = parse_matmul_precision("bf16", Some(DType::F32), QuantMode::Off, &cpu).unwrap_err();
+        assert!(f32_weights.contains("--dtype bf16"), "{f32_weights}");
+        let q8 = QuantMode::To(candle_core::quantized::GgmlDType::Q8_0);
+        let quantized = parse_matmul_precision("bf16", Some(DType::F32), q8, &cpu).unwrap_err();
+        assert!(quantized.contains("--quantize q8_0"), "{quantized}");
+        let unknown = parse_matmul_precision("fp8", bf16, QuantMode::Off, &cpu).unwrap_err();
+        assert!(unknown.contains("expected exact or bf16"), "{unknown}");
+    }
 }

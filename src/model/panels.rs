@@ -1,10 +1,11 @@
 //! Dense CPU weights held in column panels ([`tpserve_kernels::panels`]): f32 or bf16, packed
-//! once at load, multiplied by the broadcast-form kernels at every row count.
+//! once at load, multiplied by the broadcast-form kernels at every row count; a bf16 one in the
+//! precision the load asked for ([`Products`]).
 
 use anyhow::{Result, bail};
 use candle_core::{DType, Device, Storage, Tensor};
 use tpserve_kernels::cpu_matmul::Isa;
-use tpserve_kernels::panels::{self, Packed};
+use tpserve_kernels::panels::{self, Packed, Products};
 
 /// A `[rows, cols]` f32 or bf16 matrix in panels.
 pub struct PanelMatrix {
@@ -12,6 +13,8 @@ pub struct PanelMatrix {
     pub cols: usize,
     /// the packed elements, 1-D, in the weight's dtype (f32, or bf16 bit patterns)
     data: Tensor,
+    /// how a bf16 weight's products are computed (f32 weights: always exact)
+    products: Products,
 }
 
 /// Runs `f` on the elements of a contiguous CPU tensor of f32 or bf16, as stored.
@@ -39,8 +42,9 @@ impl PanelMatrix {
         w.device().is_cpu() && w.rank() == 2 && matches!(w.dtype(), DType::F32 | DType::BF16) && panels::packs_for(Isa::selected())
     }
 
-    /// Packs a `[rows, cols]` f32 or bf16 CPU tensor.
-    pub fn pack(w: &Tensor) -> Result<PanelMatrix> {
+    /// Packs a `[rows, cols]` f32 or bf16 CPU tensor, to multiply in precision `products`
+    /// (which a bf16 weight only uses).
+    pub fn pack(w: &Tensor, products: Products) -> Result<PanelMatrix> {
         let (rows, cols) = w.dims2()?;
         let w = w.contiguous()?;
         let (storage, layout) = w.storage_and_layout();
@@ -52,16 +56,17 @@ impl PanelMatrix {
             DType::BF16 => Tensor::from_vec(panels::pack_bf16(&cpu.as_slice::<half::bf16>()?[range], rows, cols), len, &Device::Cpu)?,
             other => bail!("no panel layout for {other:?}"),
         };
-        Ok(PanelMatrix { rows, cols, data })
+        let products = if w.dtype() == DType::BF16 { products } else { Products::Exact };
+        Ok(PanelMatrix { rows, cols, data, products })
     }
 
     /// `parts` stacked by rows (fused q/k/v, gate/up) without unpacking them, when every part
     /// but the last fills its last panel (then the packings simply follow one another) and all
-    /// share a dtype and a width; None otherwise.
+    /// share a dtype, a precision and a width; None otherwise.
     pub fn stack(parts: &[&PanelMatrix]) -> Result<Option<PanelMatrix>> {
         let Some(first) = parts.first() else { return Ok(None) };
         let aligned = parts[..parts.len() - 1].iter().all(|p| p.rows % panels::PANEL == 0);
-        if !aligned || parts.iter().any(|p| p.cols != first.cols || p.dtype() != first.dtype()) {
+        if !aligned || parts.iter().any(|p| p.cols != first.cols || p.dtype() != first.dtype() || p.products != first.products) {
             return Ok(None);
         }
         fn gather<T: Copy + candle_core::WithDType>(parts: &[&PanelMatrix]) -> Result<Tensor> {
@@ -81,7 +86,7 @@ impl PanelMatrix {
             DType::BF16 => gather::<half::bf16>(parts)?,
             other => bail!("no panel layout for {other:?}"),
         };
-        Ok(Some(PanelMatrix { rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols, data }))
+        Ok(Some(PanelMatrix { rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols, data, products: first.products }))
     }
 
     /// The row-major `[rows, cols]` tensor it was packed from (to stack weights before packing
@@ -107,6 +112,10 @@ impl PanelMatrix {
         self.data.dtype()
     }
 
+    pub fn products(&self) -> Products {
+        self.products
+    }
+
     /// `x [m, cols] @ self.T` -> `[m, rows]`, in x's dtype.
     pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
         let (m, k) = x.dims2()?;
@@ -118,7 +127,7 @@ impl PanelMatrix {
         let (storage, layout) = x32.storage_and_layout();
         let Storage::Cpu(cpu) = &*storage else { bail!("panel weights multiply CPU activations") };
         let values = &cpu.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + m * k];
-        let out = with_elements(&self.data, |packed| panels::matmul(values, m, k, packed, self.rows, Isa::selected()))?;
+        let out = with_elements(&self.data, |packed| panels::matmul(values, m, k, packed, self.rows, Isa::selected(), self.products))?;
         Ok(Tensor::from_vec(out, (m, self.rows), &Device::Cpu)?.to_dtype(x.dtype())?)
     }
 
@@ -154,7 +163,7 @@ mod tests {
         for dtype in [DType::F32, DType::BF16] {
             // 37 and 21 rows: neither part fills its last panel, so stacking must repack
             let (a, b) = (matrix(37, 70, 1, dtype), matrix(21, 70, 2, dtype));
-            let stacked = Weight::cat_rows(vec![Weight::dense(a.clone()).unwrap(), Weight::dense(b.clone()).unwrap()]).unwrap();
+            let stacked = Weight::cat_rows(vec![Weight::dense(a.clone(), Products::Exact).unwrap(), Weight::dense(b.clone(), Products::Exact).unwrap()]).unwrap();
             let want = Tensor::cat(&[&a, &b], 0).unwrap();
             assert_eq!(stacked.dims2().unwrap(), (58, 70));
             assert_eq!(stacked.format(), format!("{dtype:?}").to_lowercase());
@@ -180,13 +189,13 @@ mod tests {
             // Parts that fill their last panels (32 + 16 rows, then a ragged 5) stack as they are
             // packed, and equal the packing of the stacked rows.
             let parts = [matrix(32, 70, 5, dtype), matrix(16, 70, 6, dtype), matrix(5, 70, 7, dtype)];
-            let held: Vec<Weight> = parts.iter().map(|t| Weight::dense(t.clone()).unwrap()).collect();
+            let held: Vec<Weight> = parts.iter().map(|t| Weight::dense(t.clone(), Products::Exact).unwrap()).collect();
             let packed: Vec<&PanelMatrix> = held.iter().map(|w| match w {
                 Weight::Panels(p) => p.as_ref(),
                 _ => unreachable!("packed above"),
             }).collect();
             let fast = PanelMatrix::stack(&packed).unwrap().expect("aligned parts stack in place");
-            let slow = PanelMatrix::pack(&Tensor::cat(&parts, 0).unwrap()).unwrap();
+            let slow = PanelMatrix::pack(&Tensor::cat(&parts, 0).unwrap(), Products::Exact).unwrap();
             same(fast.data(), slow.data());
             assert_eq!((fast.rows, fast.cols), (53, 70));
             assert!(PanelMatrix::stack(&[packed[2], packed[0]]).unwrap().is_none(), "a ragged part that is not last");

@@ -279,7 +279,8 @@ impl Worker {
         }
         let (dtype, quant) = crate::model::parse_load_dtype(&request.dtype, &request.quantize, &self.config.device, Path::new(&request.model_path))
             .map_err(Error::invalid)?;
-        let options = LoadOptions { dtype, device: self.config.device.clone() };
+        let products = crate::model::parse_matmul_precision(&request.matmul_precision, dtype, quant, &self.config.device).map_err(Error::invalid)?;
+        let options = LoadOptions { dtype, device: self.config.device.clone(), products };
         let path = PathBuf::from(&request.model_path);
         let started = Instant::now();
         let model = Model::load_quantized(&path, &group, &options, quant, progress.clone())

@@ -1,7 +1,8 @@
 //! Speed of the f32 and bf16 weight kernels on a whole decode step's matrices, beside the
 //! memory-read bandwidth measured in the same run and candle's matmul (the baseline): the
 //! row-major tiles (`cpu_matmul`, each path) and, where the CPU has a panel kernel, the column
-//! panels the loader holds dense weights in (`panels`).
+//! panels the loader holds dense weights in (`panels`), bf16 also with the activations rounded to
+//! bf16 (`Products::Bf16`, "panels-avx512-bf16x").
 //!
 //! The weights are those of the ~100M-parameter Qwen3 shape of `benches/tp_bench.rs` (hidden
 //! 768, 12 layers, fused q/k/v [1280x768], o [768x768], fused gate/up [4096x768], down
@@ -17,7 +18,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use tpserve_kernels::cpu_matmul::{Isa, matmul_transposed_with};
-use tpserve_kernels::panels::{self, Packed};
+use tpserve_kernels::panels::{self, Packed, Products};
 
 const HIDDEN: usize = 768;
 const LAYERS: usize = 12;
@@ -136,16 +137,22 @@ fn run() {
                 runs.push((isa.name().to_string(), seconds));
             }
             let x_values: Vec<Vec<f32>> = xs.iter().map(|x| x.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect();
+            // bf16 weights also with their activations rounded to bf16 (`vdpbf16ps` where the
+            // CPU has avx512_bf16: "panels-bf16x")
+            let precisions: &[Products] = if dtype == DType::BF16 { &[Products::Exact, Products::Bf16] } else { &[Products::Exact] };
             for isa in Isa::ALL.into_iter().filter(|isa| isa.available() && panels::packs_for(*isa)) {
-                let seconds = best(3, || {
-                    for (w, (f32s, bf16s)) in weights.iter().zip(&packed) {
-                        let (n, k) = w.dims2().unwrap();
-                        let held = if dtype == DType::BF16 { Packed::Bf16(bf16s) } else { Packed::F32(f32s) };
-                        let x = if k == HIDDEN { &x_values[0] } else { &x_values[1] };
-                        std::hint::black_box(panels::matmul(x, m, k, held, n, isa));
-                    }
-                });
-                runs.push((format!("panels-{}", isa.name()), seconds));
+                for &products in precisions {
+                    let seconds = best(3, || {
+                        for (w, (f32s, bf16s)) in weights.iter().zip(&packed) {
+                            let (n, k) = w.dims2().unwrap();
+                            let held = if dtype == DType::BF16 { Packed::Bf16(bf16s) } else { Packed::F32(f32s) };
+                            let x = if k == HIDDEN { &x_values[0] } else { &x_values[1] };
+                            std::hint::black_box(panels::matmul(x, m, k, held, n, isa, products));
+                        }
+                    });
+                    let suffix = if products == Products::Bf16 { "-bf16x" } else { "" };
+                    runs.push((format!("panels-{}{suffix}", isa.name()), seconds));
+                }
             }
             // candle's gemm (for bf16 weights: on an f32 copy made per call, what the model
             // falls back to when the kernel declines)

@@ -22,6 +22,14 @@
 //! whatever the number of rows, the tile or the thread: a row's result does not depend on its
 //! batch, and a prefill's last row equals the same row decoded alone.
 //!
+//! A bf16 weight's products come in two precisions ([`Products`]). `Exact` multiplies the f32
+//! activations by the widened weights, as above: the f32 computation on the bf16 weights. `Bf16`
+//! rounds the activations to bf16 first (to nearest even), as torch, vLLM and llama.cpp compute
+//! a bf16 model, and on a CPU with avx512_bf16 sums each pair's products with one `vdpbf16ps`
+//! (32 products an instruction against a fused multiply-add's 16, the broadcast being a pair of
+//! x values): faster where a batch makes the products the bound, and lossy, so only on request.
+//! Elsewhere the f32 body multiplies the rounded activations, for the same values.
+//!
 //! The loader packs dense CPU weights when [`Isa::selected`] has a panel body (AVX-512F);
 //! elsewhere they stay row-major for `cpu_matmul`'s tiles. (A 256-bit body, four or six rows
 //! against one panel, measured 0.79-1.15x the AVX2 tiles' speed on the same Ice Lake, so AVX2
@@ -58,6 +66,31 @@ pub enum Packed<'a> {
     F32(&'a [f32]),
     /// panel `p` is `[k.div_ceil(2)][PANEL][2]` bf16 bit patterns (pairs along k)
     Bf16(&'a [u16]),
+}
+
+/// How the products of a bf16 weight are computed (an f32 weight's are always `Exact`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Products {
+    /// f32 activations times the weights widened to f32 (exactly): the f32 product of the bf16
+    /// weights up to the order of additions.
+    Exact,
+    /// Activations rounded to bf16 (to nearest even), each pair of products summed in f32
+    /// (`vdpbf16ps`, whose inputs' and outputs' subnormals are zeros, where the CPU has it).
+    /// Faster in a batch, lossy: the rounding errs by up to 2^-9 of each activation.
+    Bf16,
+}
+
+/// Whether this CPU sums bf16 pair products in one instruction (AVX-512F and avx512_bf16), the
+/// path [`Products::Bf16`] is fast on, under the selected instruction set.
+pub fn bf16_dot_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        Isa::selected() == Isa::Avx512 && std::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// Elements of one panel of a `[n, k]` weight.
@@ -141,8 +174,9 @@ fn widen(bits: u16) -> f32 {
 }
 
 /// `x [m, k] @ w.T` -> `[m, n]` for a packed `[n, k]` weight, on path `isa` (the portable body
-/// where it has none of its own). Panics if the CPU does not have the path.
-pub fn matmul(x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa: Isa) -> Vec<f32> {
+/// where it has none of its own), in precision `products` for a bf16 weight. Panics if the CPU
+/// does not have the path.
+pub fn matmul(x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa: Isa, products: Products) -> Vec<f32> {
     assert!(isa.available(), "this CPU has no {isa:?} path");
     assert_eq!(x.len(), m * k, "x is not [{m}, {k}]");
     let bf16 = matches!(w, Packed::Bf16(_));
@@ -155,19 +189,69 @@ pub fn matmul(x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa: Isa) -> V
     if k == 0 {
         return values;
     }
-    let out = Output::new(&mut values, n);
-    let panels = n.div_ceil(PANEL);
-    (0..panels.div_ceil(TASK_PANELS)).into_par_iter().for_each(|task| {
-        let panels = task * TASK_PANELS..((task + 1) * TASK_PANELS).min(panels);
-        match isa {
-            // SAFETY: the CPU has AVX-512F (asserted above); the task writes only the columns
-            // of its panels, and `w` holds `n` columns packed for `k` (asserted above).
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { x86::task(out, panels, w, n, x, m, k) },
-            _ => portable_task(out, panels, w, n, x, m, k),
-        }
-    });
+    let rounded = bf16 && products == Products::Bf16;
+    #[cfg(target_arch = "x86_64")]
+    let pairs = rounded && isa == Isa::Avx512 && std::is_x86_feature_detected!("avx512bf16");
+    #[cfg(not(target_arch = "x86_64"))]
+    let pairs = false;
+    product(&mut values, x, m, k, w, n, isa, rounded, pairs);
     values
+}
+
+/// [`matmul`]'s body into `values`: with the activations `rounded` to bf16, summed in pairs
+/// (`pairs`, which needs avx512_bf16 and the AVX-512 path) or by the f32 bodies.
+#[allow(clippy::too_many_arguments)]
+fn product(values: &mut [f32], x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa: Isa, rounded: bool, pairs: bool) {
+    let out = Output::new(values, n);
+    let panels = n.div_ceil(PANEL);
+    #[cfg(target_arch = "x86_64")]
+    if pairs {
+        let pairs = bf16_pairs(x, m, k);
+        assert!(std::is_x86_feature_detected!("avx512bf16") && isa == Isa::Avx512, "bf16 pairs need avx512_bf16");
+        for_each_task(panels, |task| {
+            // SAFETY: the CPU has AVX-512F and avx512_bf16 (asserted above); the task writes only
+            // the columns of its panels; `w` holds `n` columns packed for `k` (asserted above)
+            // and `pairs` is x's `m` rows of `k.div_ceil(2)` pairs.
+            unsafe { x86::task(out, task, w, n, x86::Rows::Pairs(&pairs), m, k) }
+        });
+        return;
+    }
+    assert!(!pairs, "bf16 pairs need avx512_bf16");
+    // Elsewhere the f32 bodies multiply the rounded activations, for the same products.
+    let rounded_x: Vec<f32>;
+    let x = if rounded {
+        rounded_x = x.iter().map(|&v| widen(half::bf16::from_f32(v).to_bits())).collect();
+        &rounded_x
+    } else {
+        x
+    };
+    for_each_task(panels, |task| match isa {
+        // SAFETY: the CPU has AVX-512F (asserted above); the task writes only the columns of
+        // its panels, and `w` holds `n` columns packed for `k` (asserted above).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { x86::task(out, task, w, n, x86::Rows::F32(x), m, k) },
+        _ => portable_task(out, task, w, n, x, m, k),
+    });
+}
+
+/// Runs `f` on the panels of every parallel task, in parallel.
+fn for_each_task(panels: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    (0..panels.div_ceil(TASK_PANELS))
+        .into_par_iter()
+        .for_each(|task| f(task * TASK_PANELS..((task + 1) * TASK_PANELS).min(panels)));
+}
+
+/// `[m, k]` activations rounded to bf16 (to nearest even), a row of `k.div_ceil(2)` pairs each:
+/// a 32-bit lane with k = 2j in its low half and 2j + 1 (zero past k) in its high half, as the
+/// bf16 panels pair their weights.
+fn bf16_pairs(x: &[f32], m: usize, k: usize) -> Vec<u32> {
+    let bits = |v: f32| half::bf16::from_f32(v).to_bits() as u32;
+    let half_k = k.div_ceil(2);
+    let mut pairs = Vec::with_capacity(m * half_k);
+    for row in x.chunks_exact(k) {
+        pairs.extend((0..half_k).map(|j| bits(row[2 * j]) | row.get(2 * j + 1).map_or(0, |&v| bits(v) << 16)));
+    }
+    pairs
 }
 
 /// Calls `tile(rows, columns, first_row, first_column)` for every tile of a task: blocks of
@@ -234,45 +318,75 @@ mod x86 {
     /// broadcast and bf16's mask, the 32 registers.
     const V: usize = 3;
 
+    /// A task's x rows: f32, or rounded to bf16 in pairs (`super::bf16_pairs`).
+    #[derive(Clone, Copy)]
+    pub(super) enum Rows<'a> {
+        F32(&'a [f32]),
+        Pairs(&'a [u32]),
+    }
+
+    /// The products a tile body computes: f32 panels, bf16 panels widened, or bf16 panels
+    /// against bf16 pairs (`vdpbf16ps`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Form {
+        F32,
+        Bf16,
+        Bf16Pairs,
+    }
+
     /// One task's panels against every x row.
     ///
     /// # Safety
-    /// The CPU has AVX-512F; `w` is a packed `[n, k]` weight; `out` is `[m, n]`, and no other
-    /// task writes the columns of `panels`.
-    pub(super) unsafe fn task(out: Output, panels: std::ops::Range<usize>, w: Packed, n: usize, x: &[f32], m: usize, k: usize) {
+    /// The CPU has AVX-512F, and avx512_bf16 for `Rows::Pairs` (which only goes with a bf16
+    /// weight); `w` is a packed `[n, k]` weight; `x` holds `m` rows (of `k` f32, or of
+    /// `k.div_ceil(2)` pairs); `out` is `[m, n]`, and no other task writes the columns of
+    /// `panels`.
+    pub(super) unsafe fn task(out: Output, panels: std::ops::Range<usize>, w: Packed, n: usize, x: Rows, m: usize, k: usize) {
         let (bf16, base, elem) = match w {
             Packed::F32(p) => (false, p.as_ptr().cast::<u8>(), 4),
             Packed::Bf16(p) => (true, p.as_ptr().cast::<u8>(), 2),
         };
+        let (form, x_base, row_elems) = match x {
+            Rows::F32(x) => (if bf16 { Form::Bf16 } else { Form::F32 }, x.as_ptr().cast::<u8>(), k),
+            Rows::Pairs(x) => (Form::Bf16Pairs, x.as_ptr().cast::<u8>(), k.div_ceil(2)),
+        };
+        debug_assert!(bf16 || form == Form::F32, "bf16 pairs against an f32 weight");
         let panel_bytes = panel_len(k, bf16) * elem;
         for_each_tile(panels, n, m, V, R, |rows, columns, i, first| {
             let used = columns.div_ceil(PANEL);
             // A tile of fewer panels points the unused ones at its last (never read).
             let ptrs: [*const u8; V] = std::array::from_fn(|v| base.wrapping_add((first / PANEL + v.min(used - 1)) * panel_bytes));
+            // Rows of f32 and of u32 pairs have the same 4-byte elements.
+            let x_rows = x_base.wrapping_add(i * row_elems * 4);
             // SAFETY: the panels hold `columns` columns packed for k, from column `first`; x
             // rows i..i + rows exist; the tile writes rows i.. and columns first..first +
-            // columns of `out`, which are this task's (this function's contract); the CPU has
-            // AVX-512F.
-            unsafe { tile(bf16, rows, used, &ptrs, x[i * k..].as_ptr(), k, out.at(first, i, 0), n, columns) }
+            // columns of `out`, which are this task's; the CPU has the form's features (this
+            // function's contract).
+            unsafe { tile(form, rows, used, &ptrs, x_rows, k, out.at(first, i, 0), n, columns) }
         });
     }
 
-    /// Picks the monomorphised [`tile_body`] for (bf16, rows, panels).
+    /// Picks the monomorphised tile body for (form, rows, panels).
     ///
     /// # Safety
-    /// As [`tile_body`]; `1 <= rows <= R`, `1 <= used <= V`.
+    /// As [`tile_body`] (f32 rows for `Form::F32` and `Form::Bf16`) and [`tile_pairs_body`]
+    /// (pair rows for `Form::Bf16Pairs`); `1 <= rows <= R`, `1 <= used <= V`.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn tile(bf16: bool, rows: usize, used: usize, w: &[*const u8], x: *const f32, k: usize, out: *mut f32, out_stride: usize, columns: usize) {
+    unsafe fn tile(form: Form, rows: usize, used: usize, w: &[*const u8], x: *const u8, k: usize, out: *mut f32, out_stride: usize, columns: usize) {
+        let (xf, xp) = (x.cast::<f32>(), x.cast::<u32>());
         macro_rules! pick {
             ($($r:literal)*) => {
-                match (bf16, rows, used) {
+                match (form, rows, used) {
                     $(
-                        (true, $r, 3) => tile_body::<true, $r, 3>(w, x, k, out, out_stride, columns),
-                        (true, $r, 2) => tile_body::<true, $r, 2>(w, x, k, out, out_stride, columns),
-                        (true, $r, 1) => tile_body::<true, $r, 1>(w, x, k, out, out_stride, columns),
-                        (false, $r, 3) => tile_body::<false, $r, 3>(w, x, k, out, out_stride, columns),
-                        (false, $r, 2) => tile_body::<false, $r, 2>(w, x, k, out, out_stride, columns),
-                        (false, $r, 1) => tile_body::<false, $r, 1>(w, x, k, out, out_stride, columns),
+                        (Form::Bf16Pairs, $r, 3) => tile_pairs_body::<$r, 3>(w, xp, k, out, out_stride, columns),
+                        (Form::Bf16Pairs, $r, 2) => tile_pairs_body::<$r, 2>(w, xp, k, out, out_stride, columns),
+                        (Form::Bf16Pairs, $r, 1) => tile_pairs_body::<$r, 1>(w, xp, k, out, out_stride, columns),
+                        (Form::Bf16, $r, 3) => tile_body::<true, $r, 3>(w, xf, k, out, out_stride, columns),
+                        (Form::Bf16, $r, 2) => tile_body::<true, $r, 2>(w, xf, k, out, out_stride, columns),
+                        (Form::Bf16, $r, 1) => tile_body::<true, $r, 1>(w, xf, k, out, out_stride, columns),
+                        (Form::F32, $r, 3) => tile_body::<false, $r, 3>(w, xf, k, out, out_stride, columns),
+                        (Form::F32, $r, 2) => tile_body::<false, $r, 2>(w, xf, k, out, out_stride, columns),
+                        (Form::F32, $r, 1) => tile_body::<false, $r, 1>(w, xf, k, out, out_stride, columns),
                     )*
                     // for_each_tile gives 1..=R rows and 1..=V panels a tile.
                     other => unreachable!("no panel tile for {other:?}"),
@@ -337,17 +451,72 @@ mod x86 {
                         step(&mut acc, &std::array::from_fn(|v| _mm512_loadu_ps(w[v].cast::<f32>().add(kk * PANEL))), kk);
                     }
                 }
-                // The run's sums into the outputs: stored after the first run, added
-                // to them after the others.
-                for v in 0..TV {
-                    let lanes = columns.saturating_sub(v * PANEL).min(PANEL);
-                    for r in 0..TR {
-                        let at = out.add(r * out_stride + v * PANEL);
-                        let sum = if start == 0 { acc[r][v] } else { _mm512_add_ps(load512part(at, lanes), acc[r][v]) };
-                        store512(at, lanes, sum);
+                add_run(&acc, start == 0, out, out_stride, columns);
+                start = end;
+            }
+        }
+    }
+
+    /// `TR` rows of bf16 pairs (stride `k.div_ceil(2)`) against the bf16 panels `w[..TV]`, into
+    /// `out` as [`tile_body`]: at every pair j, each row's pair is broadcast and `vdpbf16ps`
+    /// adds both of its products into `TV` accumulators, in runs of `K_RUN` terms as there.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and avx512_bf16; `w[v]`, v < TV, points to a bf16 panel packed for
+    /// `k`; `x` to `TR` rows of `k.div_ceil(2)` pairs; `out` as for [`tile_body`].
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn tile_pairs_body<const TR: usize, const TV: usize>(
+        w: &[*const u8],
+        x: *const u32,
+        k: usize,
+        out: *mut f32,
+        out_stride: usize,
+        columns: usize,
+    ) {
+        let half_k = k.div_ceil(2);
+        // SAFETY: every load below is inside a panel (pair j < k.div_ceil(2)) or a pair row
+        // (j < half_k), and `add_run` stores inside the first `columns` columns of the out
+        // rows, as the caller promises. `__m512i` and `__m512bh` are both 64 bytes of lanes
+        // with no invalid bit patterns, so transmuting one into the other only renames them.
+        unsafe {
+            let w: [*const u16; TV] = std::array::from_fn(|v| w[v].cast::<u16>());
+            let mut start = 0;
+            while start < half_k {
+                let end = (start + super::K_RUN / 2).min(half_k);
+                let mut acc = [[_mm512_setzero_ps(); TV]; TR];
+                for j in start..end {
+                    let wv: [__m512bh; TV] = std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(w[v].add(j * 2 * PANEL).cast())));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let b: __m512bh = std::mem::transmute(_mm512_set1_epi32(*x.add(r * half_k + j) as i32));
+                        for v in 0..TV {
+                            acc[v] = _mm512_dpbf16_ps(acc[v], wv[v], b);
+                        }
                     }
                 }
+                add_run(&acc, start == 0, out, out_stride, columns);
                 start = end;
+            }
+        }
+    }
+
+    /// A run's sums into the outputs: stored after the first run (`first`), added to them
+    /// after the others.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `out` points to `TR` rows of `out_stride` f32 of which the first
+    /// `columns <= TV * PANEL` are writable (and, unless `first`, hold the earlier runs' sums).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn add_run<const TR: usize, const TV: usize>(acc: &[[__m512; TV]; TR], first: bool, out: *mut f32, out_stride: usize, columns: usize) {
+        for v in 0..TV {
+            let lanes = columns.saturating_sub(v * PANEL).min(PANEL);
+            for (r, acc) in acc.iter().enumerate() {
+                // SAFETY: row r < TR, lanes v * PANEL.. within `columns`, as the caller promises.
+                unsafe {
+                    let at = out.add(r * out_stride + v * PANEL);
+                    let sum = if first { acc[v] } else { _mm512_add_ps(load512part(at, lanes), acc[v]) };
+                    store512(at, lanes, sum);
+                }
             }
         }
     }
@@ -412,48 +581,97 @@ mod tests {
     /// (a bf16 pair half empty), tiny and long.
     const SHAPES: [(usize, usize); 8] = [(1, 1), (7, 3), (16, 5), (17, 4), (48, 64), (100, 37), (130, 257), (300, 768)];
 
+    /// `x` as [`Products::Bf16`] multiplies it: each value rounded to bf16, to nearest even.
+    fn rounded(x: &[f32]) -> Vec<f32> {
+        x.iter().map(|&v| widen(half::bf16::from_f32(v).to_bits())).collect()
+    }
+
+    /// Asserts `got` is within an f32 sum's rounding of the product of `x` and `w`.
+    fn assert_near_reference(got: &[f32], x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize), at: &str) {
+        let (want, scale) = reference(x, w, m, n, k);
+        for (idx, (&got, (&want, &scale))) in got.iter().zip(want.iter().zip(&scale)).enumerate() {
+            // a serial f32 sum errs by at most about k * 2^-24 of the |terms|
+            let bound = (k as f64 + 2.0) * 6e-8 * scale + 1e-30;
+            assert!((got as f64 - want).abs() <= bound, "{at} m={m} n={n} k={k} at ({}, {}): {got} vs {want}", idx / n, idx % n);
+        }
+    }
+
     #[test]
     fn products_match_the_reference_on_every_path_this_cpu_has() {
         for isa in paths() {
             for (n, k) in SHAPES {
-                let (f32s, bf16s, w, rounded) = weights(n, k, (n * 31 + k) as u64);
+                let (f32s, bf16s, w, rounded_w) = weights(n, k, (n * 31 + k) as u64);
                 // rows: one, a partial tile, one past a tile (8), past a row block (48)
                 for m in [1, 3, 8, 9, 17, 50] {
                     let x = values(m * k, (m * 7 + k) as u64);
-                    for (packed, plain) in [(Packed::F32(&f32s), &w), (Packed::Bf16(&bf16s), &rounded)] {
-                        let got = matmul(&x, m, k, packed, n, isa);
-                        let (want, scale) = reference(&x, plain, m, n, k);
-                        for (idx, (&got, (&want, &scale))) in got.iter().zip(want.iter().zip(&scale)).enumerate() {
-                            // a serial f32 sum errs by at most about k * 2^-24 of the |terms|
-                            let bound = (k as f64 + 2.0) * 6e-8 * scale + 1e-30;
-                            assert!(
-                                (got as f64 - want).abs() <= bound,
-                                "{isa:?} m={m} n={n} k={k} bf16={} at ({}, {}): {got} vs {want}",
-                                matches!(packed, Packed::Bf16(_)),
-                                idx / n,
-                                idx % n
-                            );
-                        }
-                    }
+                    let shape = (m, n, k);
+                    let got = matmul(&x, m, k, Packed::F32(&f32s), n, isa, Products::Exact);
+                    assert_near_reference(&got, &x, &w, shape, &format!("{isa:?} f32"));
+                    // an f32 weight's products are exact whatever is asked
+                    assert_eq!(matmul(&x, m, k, Packed::F32(&f32s), n, isa, Products::Bf16), got);
+                    let got = matmul(&x, m, k, Packed::Bf16(&bf16s), n, isa, Products::Exact);
+                    assert_near_reference(&got, &x, &rounded_w, shape, &format!("{isa:?} bf16"));
+                    let got = matmul(&x, m, k, Packed::Bf16(&bf16s), n, isa, Products::Bf16);
+                    assert_near_reference(&got, &rounded(&x), &rounded_w, shape, &format!("{isa:?} bf16 products"));
                 }
             }
         }
     }
 
     #[test]
+    fn bf16_products_without_the_pair_instruction_match_the_reference() {
+        // The AVX-512 body on rounded activations, which a CPU without avx512_bf16 runs for
+        // Products::Bf16 (this one may have the instruction, so ask for the fallback directly).
+        if !Isa::Avx512.available() {
+            return;
+        }
+        for (n, k) in SHAPES {
+            let (_, bf16s, _, rounded_w) = weights(n, k, 3);
+            for m in [1, 9, 50] {
+                let x = values(m * k, m as u64);
+                let mut got = vec![0f32; m * n];
+                product(&mut got, &x, m, k, Packed::Bf16(&bf16s), n, Isa::Avx512, true, false);
+                assert_near_reference(&got, &rounded(&x), &rounded_w, (m, n, k), "Avx512 bf16 products, f32 body");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_products_err_from_the_exact_ones_by_the_activations_rounding() {
+        // Rounding an activation to bf16 moves it by at most 2^-9 of itself, so a product moves
+        // by at most 2^-9 of the sum of |terms| (and the sums' own rounding, far below).
+        let (n, k) = (130, 768);
+        let (_, bf16s, _, rounded_w) = weights(n, k, 4);
+        let m = 9;
+        let x = values(m * k, 8);
+        let (_, scale) = reference(&x, &rounded_w, m, n, k);
+        for isa in paths() {
+            let exact = matmul(&x, m, k, Packed::Bf16(&bf16s), n, isa, Products::Exact);
+            let fast = matmul(&x, m, k, Packed::Bf16(&bf16s), n, isa, Products::Bf16);
+            let mut largest = 0f64;
+            for ((&e, &f), &s) in exact.iter().zip(&fast).zip(&scale) {
+                assert!(((e - f) as f64).abs() <= s / 512.0 + 1e-6 * s, "{isa:?}: {f} vs exact {e}");
+                largest = largest.max(((e - f) as f64).abs() / s);
+            }
+            // and the rounding does show: these are not the exact products
+            assert!(largest > 1e-6, "{isa:?}: bf16 products equal the exact ones");
+        }
+    }
+
+    #[test]
     fn a_row_does_not_depend_on_its_batch() {
-        // Bit for bit, on every path and packing: rows of a batch of 13 (tiles of 8 and 5) and of
-        // 100 (three row blocks) against each row alone.
+        // Bit for bit, on every path, packing and precision: rows of a batch of 13 (tiles of 8
+        // and 5) and of 100 (three row blocks) against each row alone.
         let (n, k) = (130, 257);
         let (f32s, bf16s, _, _) = weights(n, k, 9);
         for isa in paths() {
-            for packed in [Packed::F32(&f32s), Packed::Bf16(&bf16s)] {
+            for (packed, products) in [(Packed::F32(&f32s), Products::Exact), (Packed::Bf16(&bf16s), Products::Exact), (Packed::Bf16(&bf16s), Products::Bf16)] {
                 for m in [13, 100] {
                     let x = values(m * k, 5);
-                    let batch = matmul(&x, m, k, packed, n, isa);
+                    let batch = matmul(&x, m, k, packed, n, isa, products);
                     for i in 0..m {
-                        let alone = matmul(&x[i * k..(i + 1) * k], 1, k, packed, n, isa);
-                        assert_eq!(alone, batch[i * n..(i + 1) * n], "{isa:?} row {i} of {m}");
+                        let alone = matmul(&x[i * k..(i + 1) * k], 1, k, packed, n, isa, products);
+                        assert_eq!(alone, batch[i * n..(i + 1) * n], "{isa:?} {products:?} row {i} of {m}");
                     }
                 }
             }

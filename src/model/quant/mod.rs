@@ -23,6 +23,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Storage, Tensor};
 
 use super::panels::PanelMatrix;
+pub use tpserve_kernels::panels::Products;
 pub use formats::Sliced;
 
 /// How a loader treats the weights of matrix products.
@@ -92,11 +93,27 @@ fn with_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
     Ok(f(&all[start..start + tensor.elem_count()]))
 }
 
+/// A panel weight's format: its dtype, and `bf16 (bf16 products)` for bf16 weights whose
+/// activations are rounded to bf16.
+pub(crate) fn panel_format(p: &PanelMatrix) -> String {
+    let dtype = format!("{:?}", p.dtype()).to_lowercase();
+    if p.products() == Products::Bf16 { format!("{dtype} (bf16 products)") } else { dtype }
+}
+
 impl Weight {
     /// A dense weight as it is best held here: in panels where [`PanelMatrix::applies`] (an f32
-    /// or bf16 CPU tensor, an AVX-512 CPU), else as it is.
-    pub fn dense(t: Tensor) -> Result<Self> {
-        Ok(if PanelMatrix::applies(&t) { Weight::Panels(Arc::new(PanelMatrix::pack(&t)?)) } else { Weight::Dense(t) })
+    /// or bf16 CPU tensor, an AVX-512 CPU), multiplied in precision `products` if bf16; else as
+    /// it is (exact products).
+    pub fn dense(t: Tensor, products: Products) -> Result<Self> {
+        Ok(if PanelMatrix::applies(&t) { Weight::Panels(Arc::new(PanelMatrix::pack(&t, products)?)) } else { Weight::Dense(t) })
+    }
+
+    /// How its products are computed: [`Products::Bf16`] only for bf16 panels loaded so.
+    pub fn products(&self) -> Products {
+        match self {
+            Weight::Panels(p) => p.products(),
+            Weight::Dense(_) | Weight::Quant(_) => Products::Exact,
+        }
     }
 
     /// A dense weight as a row-major tensor (panels unpacked); None when quantized.
@@ -117,7 +134,7 @@ impl Weight {
             Sliced::Blocks { dtype, rows, cols, bytes } => {
                 Weight::Quant(Arc::new(QMatrix { rows, cols, segments: vec![Segment::blocks(dtype, rows, cols, bytes)?] }))
             }
-            Sliced::F32 { rows, cols, values } => Weight::dense(Tensor::from_vec(values, (rows, cols), device)?)?,
+            Sliced::F32 { rows, cols, values } => Weight::dense(Tensor::from_vec(values, (rows, cols), device)?, Products::Exact)?,
         })
     }
 
@@ -154,7 +171,7 @@ impl Weight {
     pub fn format(&self) -> String {
         match self {
             Weight::Dense(t) => format!("{:?}", t.dtype()).to_lowercase(),
-            Weight::Panels(p) => format!("{:?}", p.dtype()).to_lowercase(),
+            Weight::Panels(p) => panel_format(p),
             Weight::Quant(q) => {
                 let mut names: Vec<&str> = Vec::new();
                 for s in &q.segments {
@@ -168,7 +185,7 @@ impl Weight {
         }
     }
 
-    /// Stacks the rows of `parts` (fused q/k/v, gate/up).
+    /// Stacks the rows of `parts` (fused q/k/v, gate/up), which share a precision.
     pub fn cat_rows(parts: Vec<Weight>) -> Result<Weight> {
         if parts.len() == 1 {
             return Ok(parts.into_iter().next().expect("one part"));
@@ -181,7 +198,8 @@ impl Weight {
         }
         if parts.iter().all(|p| !matches!(p, Weight::Quant(_))) {
             let dense: Vec<Tensor> = parts.iter().map(Weight::row_major).collect::<Result<Vec<_>>>()?.into_iter().flatten().collect();
-            return Weight::dense(Tensor::cat(&dense, 0)?);
+            let products = parts[0].products();
+            return Weight::dense(Tensor::cat(&dense, 0)?, products);
         }
         let cols = parts[0].dims2()?.1;
         // Consecutive parts of one format merge into one segment: their row-major blocks (or
