@@ -10,7 +10,8 @@
 //! same model driven by an in-process loop with no RPC.
 //!
 //! It runs once per weight format in `TPSERVE_BENCH_WEIGHTS` (default `f32,bf16,q8_0`): `f32`
-//! and `bf16` are `--dtype`, a GGUF block format name is `--quantize`.
+//! and `bf16` are `--dtype`, `bf16x` is `--dtype bf16 --matmul-precision bf16` (activations
+//! rounded to bf16), a GGUF block format name is `--quantize`.
 
 mod support;
 
@@ -52,9 +53,15 @@ fn main() {
     }
 }
 
-/// `serve` flags for a weight format: a dtype, or a quantization.
-fn weight_flags(format: &str) -> [&str; 2] {
-    if tpserve::model::quant::formats::parse(format).is_some() { ["--quantize", format] } else { ["--dtype", format] }
+/// `serve` flags for a weight format: a dtype, bf16 with bf16 products, or a quantization.
+fn weight_flags(format: &str) -> Vec<&str> {
+    if tpserve::model::quant::formats::parse(format).is_some() {
+        vec!["--quantize", format]
+    } else if format == "bf16x" {
+        vec!["--dtype", "bf16", "--matmul-precision", "bf16"]
+    } else {
+        vec!["--dtype", format]
+    }
 }
 
 fn run_format(model: &std::path::Path, dir: &std::path::Path, format: &str) {
@@ -156,11 +163,12 @@ async fn step_overhead(address: &str) -> (f64, f64) {
 
 /// Greedy decode tokens/s of the same model loaded in this process, no RPC, same threads.
 fn in_process_decode(model: &std::path::Path, format: &str) -> f64 {
-    let [flag, value] = weight_flags(format);
-    let (dtype, quantize) = if flag == "--quantize" { ("auto", value) } else { (value, "") };
+    let flags = weight_flags(format);
+    let flag = |name: &str| flags.chunks(2).find(|pair| pair[0] == name).map(|pair| pair[1]);
     let device = candle_core::Device::Cpu;
-    let (dtype, quant) = tpserve::model::parse_load_dtype(dtype, quantize, &device, model).unwrap();
-    let options = LoadOptions { dtype, device, products: tpserve::model::Products::Exact };
+    let (dtype, quant) = tpserve::model::parse_load_dtype(flag("--dtype").unwrap_or("auto"), flag("--quantize").unwrap_or(""), &device, model).unwrap();
+    let products = tpserve::model::parse_matmul_precision(flag("--matmul-precision").unwrap_or(""), dtype, quant, &device).unwrap();
+    let options = LoadOptions { dtype, device, products };
     let model = Model::load_quantized(model, &TpGroup::single(), &options, quant, Arc::new(LoadProgress::default())).unwrap();
     let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|t| (t * 7919) % 32000).collect();
     let mut best: f64 = 0.0;

@@ -3,7 +3,8 @@
 //! - [`cpu_matmul`]: f32 and bf16 weights against f32 activations (AVX-512F, AVX2 + FMA,
 //!   portable), and the one place an instruction set is chosen ([`cpu_matmul::Isa`]).
 //! - [`panels`]: f32 and bf16 weights packed at load into column panels, and their
-//!   broadcast-form products (AVX-512F; the model holds dense weights so where it applies).
+//!   broadcast-form products (AVX-512F; the model holds dense weights so where it applies);
+//!   bf16 weights also against activations rounded to bf16 (`vdpbf16ps`, on request).
 //! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
 //!   products with 8-bit activations ([`quant::kernels`]).
 //! - [`activation`]: SwiGLU's `silu(gate) * up` in one pass, with an 8-lane exponential.
