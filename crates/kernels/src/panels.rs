@@ -83,12 +83,18 @@ pub enum Products {
 /// Whether this CPU sums bf16 pair products in one instruction (AVX-512F and avx512_bf16), the
 /// path [`Products::Bf16`] is fast on, under the selected instruction set.
 pub fn bf16_dot_available() -> bool {
+    has_pair_body(Isa::selected())
+}
+
+/// Whether path `isa` has the bf16 pair body on this CPU: AVX-512 and avx512_bf16.
+fn has_pair_body(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        Isa::selected() == Isa::Avx512 && std::is_x86_feature_detected!("avx512bf16")
+        isa == Isa::Avx512 && std::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = isa;
         false
     }
 }
@@ -190,10 +196,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa: Isa, prod
         return values;
     }
     let rounded = bf16 && products == Products::Bf16;
-    #[cfg(target_arch = "x86_64")]
-    let pairs = rounded && isa == Isa::Avx512 && std::is_x86_feature_detected!("avx512bf16");
-    #[cfg(not(target_arch = "x86_64"))]
-    let pairs = false;
+    let pairs = rounded && has_pair_body(isa);
     product(&mut values, x, m, k, w, n, isa, rounded, pairs);
     values
 }
@@ -204,10 +207,10 @@ pub fn matmul(x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa: Isa, prod
 fn product(values: &mut [f32], x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa: Isa, rounded: bool, pairs: bool) {
     let out = Output::new(values, n);
     let panels = n.div_ceil(PANEL);
+    assert!(!pairs || has_pair_body(isa), "bf16 pairs need avx512_bf16 and the AVX-512 path");
     #[cfg(target_arch = "x86_64")]
     if pairs {
         let pairs = bf16_pairs(x, m, k);
-        assert!(std::is_x86_feature_detected!("avx512bf16") && isa == Isa::Avx512, "bf16 pairs need avx512_bf16");
         for_each_task(panels, |task| {
             // SAFETY: the CPU has AVX-512F and avx512_bf16 (asserted above); the task writes only
             // the columns of its panels; `w` holds `n` columns packed for `k` (asserted above)
@@ -216,7 +219,6 @@ fn product(values: &mut [f32], x: &[f32], m: usize, k: usize, w: Packed, n: usiz
         });
         return;
     }
-    assert!(!pairs, "bf16 pairs need avx512_bf16");
     // Elsewhere the f32 bodies multiply the rounded activations, for the same products.
     let rounded_x: Vec<f32>;
     let x = if rounded {
