@@ -24,6 +24,14 @@ impl Output {
         Output { ptr: values.as_mut_ptr(), n }
     }
 
+    /// Over `values`, `[m, n]` row-major and not yet written: for a product whose tasks write
+    /// every element, so that the buffer need not be zeroed first. The caller keeps `values`
+    /// alive and unread until the tasks are done.
+    pub(crate) fn uninit(values: &mut [std::mem::MaybeUninit<f32>], n: usize) -> Output {
+        assert!(if n == 0 { values.is_empty() } else { values.len() % n == 0 }, "{} values are not rows of {n}", values.len());
+        Output { ptr: values.as_mut_ptr().cast(), n }
+    }
+
     /// Columns per row.
     pub(crate) fn n(self) -> usize {
         self.n
