@@ -95,11 +95,14 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     if total == 0 {
         return vec![0f32; group * head_dim]; // nothing to attend to (never so in a decode step)
     }
+    let ahead = |from: usize, part: Part| prefetch(history, from..from + POSITIONS_PER_PASS, kv_heads, kv, part);
+    ahead(0, Part::Both);
     let scale = 1.0 / (head_dim as f32).sqrt();
     let head_q = |g: usize| &q[(kv * group + g) * head_dim..(kv * group + g + 1) * head_dim];
     let chunks = score_chunks(history, kv_heads, head_dim, kv);
     let mut probs = vec![0f32; group * total]; // [group, total]
-    for pass in chunks.whole.chunks(POSITIONS_PER_PASS / SCORE_CHUNK) {
+    for (i, pass) in chunks.whole.chunks(POSITIONS_PER_PASS / SCORE_CHUNK).enumerate() {
+        ahead((i + 1) * POSITIONS_PER_PASS, Part::Keys);
         for (g, probs) in probs.chunks_exact_mut(total).enumerate() {
             whole_scores(head_q(g), pass, probs);
         }
@@ -130,6 +133,9 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
             positions += history[end].positions;
             end += 1;
         }
+        if at > 0 {
+            ahead(at + positions, Part::Values);
+        }
         for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
             let probs = &probs[heads * HEADS_PER_PASS * total..];
             add_weighted_values(probs, total, at..at + positions, &history[first..end], kv_heads, head_dim, kv, out, isa);
@@ -137,6 +143,56 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
         (first, at) = (end, at + positions);
     }
     out
+}
+
+/// Which of a block's arrays [`prefetch`] asks for.
+#[derive(Clone, Copy, PartialEq)]
+enum Part {
+    Keys,
+    Values,
+    Both,
+}
+
+/// Asks the CPU to bring KV head `kv`'s keys and/or values of the blocks of `history` that
+/// hold positions `wanted` into L2, every cache line at once, a pass ahead of the arithmetic
+/// (a pass of [`POSITIONS_PER_PASS`] is at most 256 KiB at head_dim 128). Each block is its own
+/// few KiB of memory, where hardware prefetchers stop at page ends, and a decode step reads each
+/// block once, after the step's weights have pushed it out of the caches: without this the
+/// reads waited on memory a block at a time (`attention_decode`, 16 sequences, 64 positions:
+/// 0.96 against 0.66 ms a step on Zen 4 with AVX-512, 2.1–2.5 against 1.6 on Zen 2 with AVX2).
+/// Changes no result.
+#[inline(always)]
+fn prefetch(history: &[HostBlock<'_>], wanted: std::ops::Range<usize>, kv_heads: usize, kv: usize, part: Part) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        const LINE: usize = 64 / std::mem::size_of::<f32>();
+        let lines = |run: &[f32]| {
+            for line in run.chunks(LINE) {
+                // SAFETY: a prefetch only hints at an address (inside `run` here); it never
+                // faults and changes no memory. SSE is part of x86-64.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) }
+            }
+        };
+        let mut at = 0;
+        for block in history {
+            if at >= wanted.end {
+                break;
+            }
+            if at + block.positions > wanted.start {
+                let span = block.keys_t.len() / kv_heads.max(1);
+                if part != Part::Values {
+                    lines(&block.keys_t[kv * span..(kv + 1) * span]);
+                }
+                if part != Part::Keys {
+                    lines(&block.values[kv * span..(kv + 1) * span]);
+                }
+            }
+            at += block.positions;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (history, wanted, kv_heads, kv, part);
 }
 
 /// `values` folded into eight lanes, value i into lane i % 8: eight independent chains (vector
