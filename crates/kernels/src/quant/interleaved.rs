@@ -295,8 +295,9 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     let acts_k: Vec<&ActQ8K> = acts_k.iter().collect();
     let groups = n / GROUP;
     let grouped_rows = groups * GROUP;
-    let mut values = vec![0f32; m * n];
-    let out = Output::new(&mut values, n);
+    // Not zeroed first: the groups' tasks and the tail rows below write every element.
+    let mut values = Vec::with_capacity(m * n);
+    let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
     // 512-bit vectors take two groups at once (a group's eight rows in each half).
     let pairs = path == Path::Avx512Vnni && !k_quant;
     (0..groups.div_ceil(GROUPS_PER_TASK)).into_par_iter().for_each(|task| {
@@ -330,11 +331,18 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
         }
     });
     if grouped_rows < n {
-        let tail = kernels::matmul(x, m, k, dtype, &w[grouped_rows * rb..], n - grouped_rows, path);
-        for i in 0..m {
-            values[i * n + grouped_rows..(i + 1) * n].copy_from_slice(&tail[i * (n - grouped_rows)..(i + 1) * (n - grouped_rows)]);
+        let tail_rows = n - grouped_rows;
+        let tail = kernels::matmul(x, m, k, dtype, &w[grouped_rows * rb..], tail_rows, path);
+        for (i, row) in tail.chunks_exact(tail_rows).enumerate() {
+            // SAFETY: activation row i < m, weight rows grouped_rows..n: inside `out`, and the
+            // tasks above are done.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at(grouped_rows, i, 0), tail_rows) };
         }
     }
+    // SAFETY: every element is written: the tasks cover columns 0..grouped_rows of every
+    // activation row (each group's `store`s, `done` running up to m), the loop above columns
+    // grouped_rows..n.
+    unsafe { values.set_len(m * n) };
     values
 }
 
