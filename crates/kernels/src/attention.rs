@@ -95,16 +95,27 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     if total == 0 {
         return vec![0f32; group * head_dim]; // nothing to attend to (never so in a decode step)
     }
-    let ahead = |from: usize, part: Part| prefetch(history, from..from + POSITIONS_PER_PASS, kv_heads, kv, part);
-    ahead(0, Part::Both);
+    prefetch(history, 0..KEY_CHUNKS_AHEAD * SCORE_CHUNK, kv_heads, kv, Part::Keys);
     let scale = 1.0 / (head_dim as f32).sqrt();
     let head_q = |g: usize| &q[(kv * group + g) * head_dim..(kv * group + g + 1) * head_dim];
     let chunks = score_chunks(history, kv_heads, head_dim, kv);
     let mut probs = vec![0f32; group * total]; // [group, total]
-    for (i, pass) in chunks.whole.chunks(POSITIONS_PER_PASS / SCORE_CHUNK).enumerate() {
-        ahead((i + 1) * POSITIONS_PER_PASS, Part::Keys);
+    let per_pass = POSITIONS_PER_PASS / SCORE_CHUNK;
+    for (i, pass) in chunks.whole.chunks(per_pass).enumerate() {
         for (g, probs) in probs.chunks_exact_mut(total).enumerate() {
-            whole_scores(head_q(g), pass, probs);
+            if g > 0 {
+                whole_scores(head_q(g), pass, probs);
+                continue;
+            }
+            // The first head reads the pass from memory: four chunks at a time, asking for the
+            // keys of the chunks KEY_CHUNKS_AHEAD further on meanwhile.
+            for (j, quad) in pass.chunks(4).enumerate() {
+                let next = i * per_pass + 4 * j + KEY_CHUNKS_AHEAD;
+                for chunk in chunks.whole.get(next..(next + 4).min(chunks.whole.len())).unwrap_or(&[]) {
+                    prefetch_keys(chunk, head_dim);
+                }
+                whole_scores(head_q(g), quad, probs);
+            }
         }
     }
     for (g, probs) in probs.chunks_exact_mut(total).enumerate() {
@@ -133,9 +144,7 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
             positions += history[end].positions;
             end += 1;
         }
-        if at > 0 {
-            ahead(at + positions, Part::Values);
-        }
+        prefetch(history, at..at + VALUE_BLOCKS_AHEAD * SCORE_CHUNK, kv_heads, kv, Part::Values);
         for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
             let probs = &probs[heads * HEADS_PER_PASS * total..];
             add_weighted_values(probs, total, at..at + positions, &history[first..end], kv_heads, head_dim, kv, out, isa);
@@ -145,22 +154,70 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     out
 }
 
+/// Chunks ahead of the first head's scores whose keys are asked for.
+const KEY_CHUNKS_AHEAD: usize = 8;
+
+/// Asks for a chunk's keys: each of its `head_dim` rows (`SCORE_CHUNK` f32, 64 bytes) where it
+/// starts and where it ends (one line, or two when a row straddles lines).
+#[inline(always)]
+fn prefetch_keys(chunk: &ScoreChunk<'_>, head_dim: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let base = chunk.keys_t.as_ptr();
+        for d in 0..head_dim {
+            let row = base.wrapping_add(d * chunk.block_size);
+            // SAFETY: a prefetch only hints at an address; it never faults and changes no
+            // memory (wrapping_add computes addresses without asserting they are in bounds).
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(row.cast());
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(SCORE_CHUNK - 1).cast());
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (chunk, head_dim);
+}
+
+/// Blocks ahead of the first pass over a run's value rows whose values are asked for.
+const VALUE_BLOCKS_AHEAD: usize = 4;
+
+/// Asks for KV head `kv`'s value rows of `block`, every line.
+#[inline(always)]
+fn prefetch_values(block: &HostBlock<'_>, kv_heads: usize, head_dim: usize, kv: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let span = block.values.len() / kv_heads.max(1);
+        let rows = &block.values[kv * span..kv * span + (block.positions * head_dim).min(span)];
+        for line in rows.chunks(16) {
+            // SAFETY: a prefetch only hints at an address (inside `rows` here); it never faults
+            // and changes no memory.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (block, kv_heads, head_dim, kv);
+}
+
 /// Which of a block's arrays [`prefetch`] asks for.
 #[derive(Clone, Copy, PartialEq)]
 enum Part {
     Keys,
     Values,
-    Both,
 }
 
-/// Asks the CPU to bring KV head `kv`'s keys and/or values of the blocks of `history` that
-/// hold positions `wanted` into L2, every cache line at once, a pass ahead of the arithmetic
-/// (a pass of [`POSITIONS_PER_PASS`] is at most 256 KiB at head_dim 128). Each block is its own
-/// few KiB of memory, where hardware prefetchers stop at page ends, and a decode step reads each
-/// block once, after the step's weights have pushed it out of the caches: without this the
-/// reads waited on memory a block at a time (`attention_decode`, 16 sequences, 64 positions:
-/// 0.96 against 0.66 ms a step on Zen 4 with AVX-512, 2.1–2.5 against 1.6 on Zen 2 with AVX2).
-/// Changes no result.
+/// Asks the CPU to bring KV head `kv`'s keys or values of the blocks of `history` that hold
+/// positions `wanted` into L2, every cache line: the first few of a run, before its arithmetic
+/// starts; [`prefetch_keys`] and [`prefetch_values`] then ask for the rest as it goes.
+///
+/// Each block is its own few KiB of memory, where hardware prefetchers stop at page ends, and a
+/// decode step reads each block once, after the step's weights have pushed it out of the caches:
+/// without prefetching, the reads waited on memory a block at a time. `attention_decode`, 16
+/// sequences, ms a step: at 64 positions, Zen 2 (AVX2) 2.1–2.5 with none, 1.6–2.1 with a whole
+/// pass of 256 positions asked for at once, 1.3–1.8 asking a few chunks ahead as the arithmetic
+/// goes; at 512 positions 19.1, 17.1–18.8 and 13.8–16.0; at 1,024, 39.1, 35–38 and 28–33. Zen 4
+/// (AVX-512), a pass at once: 0.66 against 0.96 at 64 positions. Changes no result.
 #[inline(always)]
 fn prefetch(history: &[HostBlock<'_>], wanted: std::ops::Range<usize>, kv_heads: usize, kv: usize, part: Part) {
     #[cfg(target_arch = "x86_64")]
@@ -362,7 +419,12 @@ fn heads_values<const H: usize, const W: usize>(
     while c + W <= head_dim {
         let mut acc: [[f32; W]; H] = std::array::from_fn(|h| out[h * head_dim + c..h * head_dim + c + W].try_into().expect("W elements"));
         let mut t = 0;
-        for block in history {
+        for (b, block) in history.iter().enumerate() {
+            if c == 0
+                && let Some(next) = history.get(b + VALUE_BLOCKS_AHEAD)
+            {
+                prefetch_values(next, kv_heads, head_dim, kv);
+            }
             for row in rows(block, kv_heads, head_dim, kv) {
                 let row: &[f32; W] = row[c..c + W].try_into().expect("W elements");
                 for h in 0..H {
