@@ -285,9 +285,9 @@ mod x86 {
     pub trait Simd {
         /// Most x rows per tile: the accumulators, `RW * RX` vectors, must fit the registers.
         const RX: usize;
-        /// Whether [`block`] widens bf16 weight rows into an f32 scratch block once when they
-        /// meet more than `RX` x rows, rather than in registers on every pass.
-        const WIDEN_ONCE: bool;
+        /// From how many x rows on [`block`] widens bf16 weight rows into an f32 scratch block
+        /// once, rather than in registers on every pass (more than `RX`; `usize::MAX`: never).
+        const WIDEN_ONCE_FROM: usize;
         /// Writes out[c * out_stride + r] = dot(w row r, x row c) for r < rw, c < rx, and
         /// prefetches the bytes of `ahead` meanwhile.
         ///
@@ -475,7 +475,11 @@ mod x86 {
         const RX: usize = 3;
         /// Against widening in registers on every pass, a whole 16-40-row bf16 step took
         /// 1.3-1.5x less time (Ice Lake's AVX2 path, 2 threads, alternating in one process).
-        const WIDEN_ONCE: bool = true;
+        /// Below nine rows (three passes or fewer) the scratch pass, bound by its stores, saves
+        /// too little: widening in registers, a whole decode step of the 100M shape took
+        /// 1.03-1.33x less time at 4 rows and 0.91-1.22x at 8, where at 16 rows it took
+        /// 1.06-1.11x more and at 32 1.2x more (Zen 2, 2 threads, alternating runs).
+        const WIDEN_ONCE_FROM: usize = 9;
         unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
             unsafe { dispatch!(tile256, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3]) }
@@ -538,7 +542,7 @@ mod x86 {
         /// into scratch, on a whole bf16 step at 7-47 rows (Ice Lake, 2 threads, alternating
         /// in one process, three runs): the scratch pass waited on the weights from memory
         /// with nothing to overlap, where the tiles' loads overlap their arithmetic.
-        const WIDEN_ONCE: bool = false;
+        const WIDEN_ONCE_FROM: usize = usize::MAX;
         unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
             unsafe { dispatch!(tile512, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3, 4, 5, 6]) }
@@ -555,7 +559,7 @@ mod x86 {
     /// outside instead ([`block_by_pass`]). The tiles read f32 weights in place. bf16 weights are
     /// read in place too when there are at most `S::RX` x rows (one tile column: each weight
     /// vector is widened once anyway) or the path widens in registers on every pass
-    /// ([`Simd::WIDEN_ONCE`] false); otherwise each group of `RW` weight rows is widened once, a
+    /// (below [`Simd::WIDEN_ONCE_FROM`] x rows); otherwise each group of `RW` weight rows is widened once, a
     /// vector at a time ([`Simd::widen_rows`]), into an f32 scratch block (in L1) and reused for
     /// every pass of x rows. (The scalar widening was a fifth of a 16-row bf16 step's samples;
     /// vectorised, the step took 1.03-1.26x less time at 8 to 32 rows, alternating in one
@@ -571,7 +575,7 @@ mod x86 {
             // SAFETY: this function's contract is block_by_pass's.
             return unsafe { block_by_pass::<S>(out, first, w, x, m, k) };
         }
-        let widen_once = S::WIDEN_ONCE && matches!(w, Rows::Bf16(_)) && m > S::RX;
+        let widen_once = matches!(w, Rows::Bf16(_)) && m >= S::WIDEN_ONCE_FROM.max(S::RX + 1);
         let mut scratch = if widen_once { vec![0f32; RW * k] } else { Vec::new() };
         let mut j = 0;
         while j < rows {
