@@ -1,0 +1,92 @@
+//! The arithmetic ceilings of this CPU's 256-bit vector units, which bound a batched step once
+//! its weights stop being the bound: fused multiply-adds of f32 (`vfmadd231ps`, 8 multiply-adds
+//! each) and the two integer multiplies of the AVX2 8-bit products (`vpmaddubsw`, 32 u8 x i8
+//! products summed in pairs; `vpmaddwd`, 16 i16 products summed in pairs). Each loop runs ten
+//! independent chains of one instruction, enough to cover its latency, on one thread and then on
+//! every thread of the pool at once. It prints instructions per second per thread and what they
+//! make for all threads: GFLOP/s of f32, and 8-bit multiply-adds per second when each 32 of them
+//! take one `vpmaddubsw` and one `vpmaddwd` (the AVX2 Q8_0 products of `quant::interleaved`).
+//! A figure, not a test.
+//!
+//!     cargo run --release -p tpserve-kernels --example cpu_peak
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Instructions each thread runs per loop.
+    pub const COUNT: u64 = 400_000_000;
+
+    /// Ten chains of `$step` (`$c` the chain, `$a` the operand), `COUNT / 10` steps each;
+    /// returns a value that depends on every chain, so that none is optimised away.
+    macro_rules! chains {
+        ($name:ident, $feature:literal, |$i:ident| $init:expr, $operand:expr, |$c:ident, $a:ident| $step:expr, |$f:ident| $fold:expr) => {
+            /// # Safety
+            /// The CPU has the features enabled here.
+            #[target_feature(enable = $feature)]
+            pub unsafe fn $name() -> i64 {
+                let $a = $operand;
+                let mut chains = [0; 10].map(|_| $a);
+                for ($i, chain) in chains.iter_mut().enumerate() {
+                    *chain = $init;
+                }
+                let [mut c0, mut c1, mut c2, mut c3, mut c4, mut c5, mut c6, mut c7, mut c8, mut c9] = chains;
+                for _ in 0..COUNT / 10 {
+                    for $c in [&mut c0, &mut c1, &mut c2, &mut c3, &mut c4, &mut c5, &mut c6, &mut c7, &mut c8, &mut c9] {
+                        *$c = $step;
+                    }
+                }
+                [c0, c1, c2, c3, c4, c5, c6, c7, c8, c9].into_iter().map(|$f| $fold).sum()
+            }
+        };
+    }
+
+    chains!(fma, "avx2,fma", |i| _mm256_set1_ps(i as f32 * 1e-3), _mm256_set1_ps(0.999), |c, a| _mm256_fmadd_ps(*c, a, a), |c| _mm256_cvtss_f32(c) as i64);
+    chains!(maddubs, "avx2", |i| _mm256_set1_epi8(i as i8), _mm256_set1_epi8(3), |c, a| _mm256_maddubs_epi16(*c, a), |c| _mm256_extract_epi32::<0>(c) as i64);
+    chains!(madd, "avx2", |i| _mm256_set1_epi16(i as i16), _mm256_set1_epi16(3), |c, a| _mm256_madd_epi16(*c, a), |c| _mm256_extract_epi32::<0>(c) as i64);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn main() {
+    use std::time::Instant;
+
+    if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+        println!("this CPU has no AVX2 and FMA: nothing to measure");
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    // Instructions per second per thread of `f` on `n` threads at once.
+    let rate = |f: unsafe fn() -> i64, n: usize| {
+        let started = Instant::now();
+        let sink: i64 = (0..n)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    // SAFETY: AVX2 and FMA were detected above.
+                    unsafe { f() }
+                })
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().expect("a measuring thread"))
+            .sum();
+        std::hint::black_box(sink);
+        x86::COUNT as f64 / started.elapsed().as_secs_f64()
+    };
+    println!("256-bit arithmetic ceilings, 1 and {threads} threads (giga-instructions a second per thread):");
+    let mut all = [0f64; 3];
+    for (i, (name, f)) in [("vfmadd231ps", x86::fma as unsafe fn() -> i64), ("vpmaddubsw", x86::maddubs), ("vpmaddwd", x86::madd)].into_iter().enumerate() {
+        let (one, every) = (rate(f, 1), rate(f, threads));
+        all[i] = every * threads as f64;
+        println!("  {name:>12}: {:.2} alone, {:.2} each of {threads}", one / 1e9, every / 1e9);
+    }
+    println!("f32 FMA: {:.0} GFLOP/s on {threads} threads", all[0] * 16.0 / 1e9);
+    // Each 32 products take one vpmaddubsw and one vpmaddwd: where both go through one pipe,
+    // the pair's rate is half of either's.
+    let pairs = 1.0 / (1.0 / all[1] + 1.0 / all[2]);
+    println!("8-bit products (vpmaddubsw + vpmaddwd per 32) if they share one pipe: {:.0} G/s on {threads} threads", pairs * 32.0 / 1e9);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn main() {
+    println!("cpu_peak measures x86-64 vector instructions only");
+}
