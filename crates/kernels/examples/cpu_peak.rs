@@ -3,9 +3,11 @@
 //! each) and the two integer multiplies of the AVX2 8-bit products (`vpmaddubsw`, 32 u8 x i8
 //! products summed in pairs; `vpmaddwd`, 16 i16 products summed in pairs). Each loop runs ten
 //! independent chains of one instruction, enough to cover its latency, on one thread and then on
-//! every thread of the pool at once. It prints instructions per second per thread and what they
-//! make for all threads: GFLOP/s of f32, and 8-bit multiply-adds per second when each 32 of them
-//! take one `vpmaddubsw` and one `vpmaddwd` (the AVX2 Q8_0 products of `quant::interleaved`).
+//! every thread of the pool at once, and a loop of both integer multiplies side by side (which
+//! runs no faster than either alone where they share a pipe). It prints instructions per second
+//! per thread and what they make for all threads: GFLOP/s of f32, and 8-bit products per second
+//! when each 32 take one `vpmaddubsw` and one `vpmaddwd` (the AVX2 Q8_0 products of
+//! `quant::interleaved`).
 //! A figure, not a test.
 //!
 //!     cargo run --release -p tpserve-kernels --example cpu_peak
@@ -44,6 +46,25 @@ mod x86 {
     chains!(fma, "avx2,fma", |i| _mm256_set1_ps(i as f32 * 1e-3), _mm256_set1_ps(0.999), |c, a| _mm256_fmadd_ps(*c, a, a), |c| _mm256_cvtss_f32(c) as i64);
     chains!(maddubs, "avx2", |i| _mm256_set1_epi8(i as i8), _mm256_set1_epi8(3), |c, a| _mm256_maddubs_epi16(*c, a), |c| _mm256_extract_epi32::<0>(c) as i64);
     chains!(madd, "avx2", |i| _mm256_set1_epi16(i as i16), _mm256_set1_epi16(3), |c, a| _mm256_madd_epi16(*c, a), |c| _mm256_extract_epi32::<0>(c) as i64);
+
+    /// Five chains of `vpmaddubsw` beside five of `vpmaddwd`: as fast as either alone where the
+    /// two share one pipe, twice as fast where they do not.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn mixed() -> i64 {
+        let a = _mm256_set1_epi8(3);
+        let mut bytes = [1, 2, 3, 4, 5].map(|i| _mm256_set1_epi8(i));
+        let mut words = [1, 2, 3, 4, 5].map(|i| _mm256_set1_epi16(i));
+        for _ in 0..COUNT / 10 {
+            for (b, w) in bytes.iter_mut().zip(words.iter_mut()) {
+                *b = _mm256_maddubs_epi16(*b, a);
+                *w = _mm256_madd_epi16(*w, a);
+            }
+        }
+        bytes.into_iter().chain(words).map(|c| _mm256_extract_epi32::<0>(c) as i64).sum()
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -73,17 +94,16 @@ fn main() {
         x86::COUNT as f64 / started.elapsed().as_secs_f64()
     };
     println!("256-bit arithmetic ceilings, 1 and {threads} threads (giga-instructions a second per thread):");
-    let mut all = [0f64; 3];
-    for (i, (name, f)) in [("vfmadd231ps", x86::fma as unsafe fn() -> i64), ("vpmaddubsw", x86::maddubs), ("vpmaddwd", x86::madd)].into_iter().enumerate() {
+    let mut all = [0f64; 4];
+    let loops = [("vfmadd231ps", x86::fma as unsafe fn() -> i64), ("vpmaddubsw", x86::maddubs), ("vpmaddwd", x86::madd), ("both, mixed", x86::mixed)];
+    for (i, (name, f)) in loops.into_iter().enumerate() {
         let (one, every) = (rate(f, 1), rate(f, threads));
         all[i] = every * threads as f64;
         println!("  {name:>12}: {:.2} alone, {:.2} each of {threads}", one / 1e9, every / 1e9);
     }
     println!("f32 FMA: {:.0} GFLOP/s on {threads} threads", all[0] * 16.0 / 1e9);
-    // Each 32 products take one vpmaddubsw and one vpmaddwd: where both go through one pipe,
-    // the pair's rate is half of either's.
-    let pairs = 1.0 / (1.0 / all[1] + 1.0 / all[2]);
-    println!("8-bit products (vpmaddubsw + vpmaddwd per 32) if they share one pipe: {:.0} G/s on {threads} threads", pairs * 32.0 / 1e9);
+    // Each 32 products take one vpmaddubsw and one vpmaddwd: half the mixed loop's rate.
+    println!("8-bit products (a vpmaddubsw and a vpmaddwd per 32): {:.0} G/s on {threads} threads", all[3] / 2.0 * 32.0 / 1e9);
 }
 
 #[cfg(not(target_arch = "x86_64"))]
