@@ -190,7 +190,7 @@ fn prefetch_values(block: &HostBlock<'_>, kv_heads: usize, head_dim: usize, kv: 
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
         let span = block.values.len() / kv_heads.max(1);
         let rows = &block.values[kv * span..kv * span + (block.positions * head_dim).min(span)];
-        for line in rows.chunks(16) {
+        for line in rows.chunks(F32_PER_LINE) {
             // SAFETY: a prefetch only hints at an address (inside `rows` here); it never faults
             // and changes no memory.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) }
@@ -200,8 +200,11 @@ fn prefetch_values(block: &HostBlock<'_>, kv_heads: usize, head_dim: usize, kv: 
     let _ = (block, kv_heads, head_dim, kv);
 }
 
+/// f32 values per 64-byte cache line.
+const F32_PER_LINE: usize = 64 / std::mem::size_of::<f32>();
+
 /// Which of a block's arrays [`prefetch`] asks for.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum Part {
     Keys,
     Values,
@@ -223,9 +226,8 @@ fn prefetch(history: &[HostBlock<'_>], wanted: std::ops::Range<usize>, kv_heads:
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        const LINE: usize = 64 / std::mem::size_of::<f32>();
         let lines = |run: &[f32]| {
-            for line in run.chunks(LINE) {
+            for line in run.chunks(F32_PER_LINE) {
                 // SAFETY: a prefetch only hints at an address (inside `run` here); it never
                 // faults and changes no memory. SSE is part of x86-64.
                 unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) }
@@ -238,11 +240,9 @@ fn prefetch(history: &[HostBlock<'_>], wanted: std::ops::Range<usize>, kv_heads:
             }
             if at + block.positions > wanted.start {
                 let span = block.keys_t.len() / kv_heads.max(1);
-                if part != Part::Values {
-                    lines(&block.keys_t[kv * span..(kv + 1) * span]);
-                }
-                if part != Part::Keys {
-                    lines(&block.values[kv * span..(kv + 1) * span]);
+                match part {
+                    Part::Keys => lines(&block.keys_t[kv * span..(kv + 1) * span]),
+                    Part::Values => lines(&block.values[kv * span..(kv + 1) * span]),
                 }
             }
             at += block.positions;
