@@ -558,12 +558,12 @@ mod x86 {
     /// x rows, in passes of `S::RX`. From [`super::PASS_MAJOR_ROWS`] x rows on, the passes go
     /// outside instead ([`block_by_pass`]). The tiles read f32 weights in place. bf16 weights are
     /// read in place too when there are at most `S::RX` x rows (one tile column: each weight
-    /// vector is widened once anyway) or the path widens in registers on every pass
-    /// (below [`Simd::WIDEN_ONCE_FROM`] x rows); otherwise each group of `RW` weight rows is widened once, a
-    /// vector at a time ([`Simd::widen_rows`]), into an f32 scratch block (in L1) and reused for
-    /// every pass of x rows. (The scalar widening was a fifth of a 16-row bf16 step's samples;
-    /// vectorised, the step took 1.03-1.26x less time at 8 to 32 rows, alternating in one
-    /// process.)
+    /// vector is widened once anyway) or fewer than the path's [`Simd::WIDEN_ONCE_FROM`] (the
+    /// tiles widen in registers on every pass); otherwise each group of `RW` weight rows is
+    /// widened once, a vector at a time ([`Simd::widen_rows`]), into an f32 scratch block (in
+    /// L1) and reused for every pass of x rows. (The scalar widening was a fifth of a 16-row bf16
+    /// step's samples; vectorised, the step took 1.03-1.26x less time at 8 to 32 rows,
+    /// alternating in one process.)
     ///
     /// # Safety
     /// The CPU has the features of path `S`; `out` is `[m, n]` with `first + rows <= n`, and
