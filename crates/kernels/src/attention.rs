@@ -95,10 +95,12 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     if total == 0 {
         return vec![0f32; group * head_dim]; // nothing to attend to (never so in a decode step)
     }
-    prefetch(history, 0..KEY_CHUNKS_AHEAD * SCORE_CHUNK, kv_heads, kv, Part::Keys);
     let scale = 1.0 / (head_dim as f32).sqrt();
     let head_q = |g: usize| &q[(kv * group + g) * head_dim..(kv * group + g + 1) * head_dim];
     let chunks = score_chunks(history, kv_heads, head_dim, kv);
+    for chunk in chunks.whole.iter().take(KEY_CHUNKS_AHEAD) {
+        prefetch_keys(chunk, head_dim);
+    }
     let mut probs = vec![0f32; group * total]; // [group, total]
     let per_pass = POSITIONS_PER_PASS / SCORE_CHUNK;
     for (i, pass) in chunks.whole.chunks(per_pass).enumerate() {
@@ -144,7 +146,9 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
             positions += history[end].positions;
             end += 1;
         }
-        prefetch(history, at..at + VALUE_BLOCKS_AHEAD * SCORE_CHUNK, kv_heads, kv, Part::Values);
+        for block in history[first..end].iter().take(VALUE_BLOCKS_AHEAD) {
+            prefetch_values(block, kv_heads, head_dim, kv);
+        }
         for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
             let probs = &probs[heads * HEADS_PER_PASS * total..];
             add_weighted_values(probs, total, at..at + positions, &history[first..end], kv_heads, head_dim, kv, out, isa);
@@ -154,102 +158,54 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     out
 }
 
+// Software prefetch of the KV cache. Each block is its own few KiB of memory, where hardware
+// prefetchers stop at page ends, and a decode step reads each block once, after the step's
+// weights have pushed it out of the caches: without prefetching, the reads waited on memory a
+// block at a time. The first head of a group asks for the keys KEY_CHUNKS_AHEAD chunks ahead of
+// its scores, the first pass over a run's value rows for the values VALUE_BLOCKS_AHEAD blocks
+// ahead, and each asks for its first few before it starts. `attention_decode`, 16 sequences, ms
+// a step: at 64 positions, Zen 2 (AVX2) 2.1–2.5 with none, 1.6–2.1 with a whole pass of 256
+// positions asked for at once, 1.3–1.8 so; at 512 positions 19.1, 17.1–18.8 and 13.8–16.0; at
+// 1,024, 39.1, 35–38 and 28–33. Zen 4 (AVX-512), a pass at once: 0.66 against 0.96 at 64
+// positions. Changes no result.
+
 /// Chunks ahead of the first head's scores whose keys are asked for.
 const KEY_CHUNKS_AHEAD: usize = 8;
-
-/// Asks for a chunk's keys: each of its `head_dim` rows (`SCORE_CHUNK` f32, 64 bytes) where it
-/// starts and where it ends (one line, or two when a row straddles lines).
-#[inline(always)]
-fn prefetch_keys(chunk: &ScoreChunk<'_>, head_dim: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let base = chunk.keys_t.as_ptr();
-        for d in 0..head_dim {
-            let row = base.wrapping_add(d * chunk.block_size);
-            // SAFETY: a prefetch only hints at an address; it never faults and changes no
-            // memory (wrapping_add computes addresses without asserting they are in bounds).
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(row.cast());
-                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(SCORE_CHUNK - 1).cast());
-            }
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (chunk, head_dim);
-}
-
 /// Blocks ahead of the first pass over a run's value rows whose values are asked for.
 const VALUE_BLOCKS_AHEAD: usize = 4;
 
-/// Asks for KV head `kv`'s value rows of `block`, every line.
+/// Asks the CPU to bring every cache line of `run` into L1 (the first element of each 64 bytes
+/// and the last: a run that straddles lines gets both).
 #[inline(always)]
-fn prefetch_values(block: &HostBlock<'_>, kv_heads: usize, head_dim: usize, kv: usize) {
+fn prefetch_run(run: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let span = block.values.len() / kv_heads.max(1);
-        let rows = &block.values[kv * span..kv * span + (block.positions * head_dim).min(span)];
-        for line in rows.chunks(F32_PER_LINE) {
-            // SAFETY: a prefetch only hints at an address (inside `rows` here); it never faults
-            // and changes no memory.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) }
+        const F32_PER_LINE: usize = 64 / std::mem::size_of::<f32>();
+        for at in (0..run.len()).step_by(F32_PER_LINE).chain(run.len().checked_sub(1)) {
+            // SAFETY: a prefetch only hints at an address (inside `run` here); it never faults
+            // and changes no memory. SSE is part of x86-64.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(run[at..].as_ptr().cast()) }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (block, kv_heads, head_dim, kv);
+    let _ = run;
 }
 
-/// f32 values per 64-byte cache line.
-const F32_PER_LINE: usize = 64 / std::mem::size_of::<f32>();
-
-/// Which of a block's arrays [`prefetch`] asks for.
-#[derive(Clone, Copy)]
-enum Part {
-    Keys,
-    Values,
-}
-
-/// Asks the CPU to bring KV head `kv`'s keys or values of the blocks of `history` that hold
-/// positions `wanted` into L2, every cache line: the first few of a run, before its arithmetic
-/// starts; [`prefetch_keys`] and [`prefetch_values`] then ask for the rest as it goes.
-///
-/// Each block is its own few KiB of memory, where hardware prefetchers stop at page ends, and a
-/// decode step reads each block once, after the step's weights have pushed it out of the caches:
-/// without prefetching, the reads waited on memory a block at a time. `attention_decode`, 16
-/// sequences, ms a step: at 64 positions, Zen 2 (AVX2) 2.1–2.5 with none, 1.6–2.1 with a whole
-/// pass of 256 positions asked for at once, 1.3–1.8 asking a few chunks ahead as the arithmetic
-/// goes; at 512 positions 19.1, 17.1–18.8 and 13.8–16.0; at 1,024, 39.1, 35–38 and 28–33. Zen 4
-/// (AVX-512), a pass at once: 0.66 against 0.96 at 64 positions. Changes no result.
+/// Asks for a chunk's keys: each of its `head_dim` rows of `SCORE_CHUNK` f32.
 #[inline(always)]
-fn prefetch(history: &[HostBlock<'_>], wanted: std::ops::Range<usize>, kv_heads: usize, kv: usize, part: Part) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
-        let lines = |run: &[f32]| {
-            for line in run.chunks(F32_PER_LINE) {
-                // SAFETY: a prefetch only hints at an address (inside `run` here); it never
-                // faults and changes no memory. SSE is part of x86-64.
-                unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) }
-            }
-        };
-        let mut at = 0;
-        for block in history {
-            if at >= wanted.end {
-                break;
-            }
-            if at + block.positions > wanted.start {
-                let span = block.keys_t.len() / kv_heads.max(1);
-                match part {
-                    Part::Keys => lines(&block.keys_t[kv * span..(kv + 1) * span]),
-                    Part::Values => lines(&block.values[kv * span..(kv + 1) * span]),
-                }
-            }
-            at += block.positions;
-        }
+fn prefetch_keys(chunk: &ScoreChunk<'_>, head_dim: usize) {
+    for d in 0..head_dim {
+        let row = d * chunk.block_size;
+        prefetch_run(&chunk.keys_t[row..row + SCORE_CHUNK]);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (history, wanted, kv_heads, kv, part);
+}
+
+/// Asks for KV head `kv`'s value rows of `block`.
+#[inline(always)]
+fn prefetch_values(block: &HostBlock<'_>, kv_heads: usize, head_dim: usize, kv: usize) {
+    let span = block.values.len() / kv_heads.max(1);
+    prefetch_run(&block.values[kv * span..kv * span + (block.positions * head_dim).min(span)]);
 }
 
 /// `values` folded into eight lanes, value i into lane i % 8: eight independent chains (vector
