@@ -602,7 +602,7 @@ mod x86 {
             let share = next.len.div_ceil(passes).next_multiple_of(64);
             let mut i = 0;
             for pass in 0..passes {
-                let rx = (m - i).min(S::RX);
+                let rx = pass_rows(m, passes, pass);
                 let ahead = Ahead { start: next.start.wrapping_add(pass * share), len: share.min(next.len.saturating_sub(pass * share)) };
                 // SAFETY: tile_w holds rw rows of k weights (bf16 bits when `bf16`, else f32:
                 // the task's rows j.. or their widened copy), x[i * k..] holds rx more rows of
@@ -617,6 +617,13 @@ mod x86 {
             }
             j += rw;
         }
+    }
+
+    /// x rows of pass `pass` when `m` rows go in `passes` passes: as even as they can be, the
+    /// longer passes first (16 rows in six passes take 3, 3, 3, 3, 2 and 2, where a last pass of
+    /// one row loaded each weight vector for a single multiply-add).
+    fn pass_rows(m: usize, passes: usize, pass: usize) -> usize {
+        m / passes + usize::from(pass < m % passes)
     }
 
     thread_local! {
@@ -651,9 +658,10 @@ mod x86 {
             }
         };
         let none = Ahead { start: std::ptr::null(), len: 0 };
+        let passes = m.div_ceil(S::RX);
         let mut i = 0;
-        while i < m {
-            let rx = (m - i).min(S::RX);
+        for pass in 0..passes {
+            let rx = pass_rows(m, passes, pass);
             let mut j = 0;
             while j < rows {
                 let rw = if rows - j >= RW { RW } else { 1 };
