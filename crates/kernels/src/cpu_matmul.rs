@@ -193,8 +193,10 @@ fn widen(bits: u16) -> f32 {
 /// a path is taken.
 fn product(x: &[f32], w: Rows, m: usize, k: usize, isa: Isa) -> Vec<f32> {
     let n = w.len() / k;
-    let mut values = vec![0f32; m * n];
-    let out = Output::new(&mut values, n);
+    // Not zeroed first: the tasks write every element (a 16-row step of the 100M shape zeroed
+    // 7.4 MB of outputs, 1.8% of a bf16 step's samples).
+    let mut values = Vec::with_capacity(m * n);
+    let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
     (0..n.div_ceil(ROWS_PER_TASK)).into_par_iter().for_each(|task| {
         let first = task * ROWS_PER_TASK;
         let rows = w.rows(first, ROWS_PER_TASK.min(n - first), k);
@@ -212,6 +214,10 @@ fn product(x: &[f32], w: Rows, m: usize, k: usize, isa: Isa) -> Vec<f32> {
             _ => portable(out, first, rows, x, m, k),
         }
     });
+    // SAFETY: the tasks wrote every element: their rows `first..` cover the n columns, and
+    // each writes its columns of all m rows (every path's passes cover rows 0..m; k > 0 and
+    // m > 0, checked by the caller).
+    unsafe { values.set_len(m * n) };
     values
 }
 
