@@ -98,8 +98,10 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     let scale = 1.0 / (head_dim as f32).sqrt();
     let head_q = |g: usize| &q[(kv * group + g) * head_dim..(kv * group + g + 1) * head_dim];
     let chunks = score_chunks(history, kv_heads, head_dim, kv);
+    // A history of one value pass has its values asked for with its keys (see below).
+    let values_early = total <= POSITIONS_PER_PASS;
     for chunk in chunks.whole.iter().take(KEY_CHUNKS_AHEAD) {
-        prefetch_keys(chunk, head_dim);
+        prefetch_chunk(chunk, head_dim, values_early);
     }
     let mut probs = vec![0f32; group * total]; // [group, total]
     let per_pass = POSITIONS_PER_PASS / SCORE_CHUNK;
@@ -114,7 +116,7 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
             for (j, quad) in pass.chunks(4).enumerate() {
                 let next = i * per_pass + 4 * j + KEY_CHUNKS_AHEAD;
                 for chunk in chunks.whole.get(next..(next + 4).min(chunks.whole.len())).unwrap_or(&[]) {
-                    prefetch_keys(chunk, head_dim);
+                    prefetch_chunk(chunk, head_dim, values_early);
                 }
                 whole_scores(head_q(g), quad, probs);
             }
@@ -192,12 +194,19 @@ fn prefetch_run(run: &[f32]) {
     let _ = run;
 }
 
-/// Asks for a chunk's keys: each of its `head_dim` rows of `SCORE_CHUNK` f32.
+/// Asks for a chunk's keys, each of its `head_dim` rows of `SCORE_CHUNK` f32, and with `values`
+/// its value rows too: a history of one value pass (at most [`POSITIONS_PER_PASS`] positions, 128
+/// KiB of values at head_dim 128) has them come in with the keys, over the scores and the
+/// softmax, rather than a few blocks ahead of the value pass, whose first pass over the rows
+/// waited on them.
 #[inline(always)]
-fn prefetch_keys(chunk: &ScoreChunk<'_>, head_dim: usize) {
+fn prefetch_chunk(chunk: &ScoreChunk<'_>, head_dim: usize, values: bool) {
     for d in 0..head_dim {
         let row = d * chunk.block_size;
         prefetch_run(&chunk.keys_t[row..row + SCORE_CHUNK]);
+    }
+    if values {
+        prefetch_run(chunk.values);
     }
 }
 
@@ -229,6 +238,8 @@ fn lanes(values: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; 8] {
 struct ScoreChunk<'a> {
     /// the head's `[head_dim, block_size]` keys from the chunk's first position on
     keys_t: &'a [f32],
+    /// the head's value rows of the chunk's positions, `[len, head_dim]`
+    values: &'a [f32],
     block_size: usize,
     /// the chunk's first position in the history
     at: usize,
@@ -253,9 +264,10 @@ fn score_chunks<'a>(history: &[HostBlock<'a>], kv_heads: usize, head_dim: usize,
     for block in history {
         let block_size = block.keys_t.len() / (kv_heads * head_dim);
         let keys_t = &block.keys_t[kv * head_dim * block_size..(kv + 1) * head_dim * block_size];
+        let values = &block.values[kv * block_size * head_dim..(kv + 1) * block_size * head_dim];
         for s in (0..block.positions).step_by(SCORE_CHUNK) {
             let len = (block.positions - s).min(SCORE_CHUNK);
-            let chunk = ScoreChunk { keys_t: &keys_t[s..], block_size, at: at + s, len };
+            let chunk = ScoreChunk { keys_t: &keys_t[s..], values: &values[s * head_dim..(s + len) * head_dim], block_size, at: at + s, len };
             if s + SCORE_CHUNK <= block_size { chunks.whole.push(chunk) } else { chunks.partial.push(chunk) }
         }
         at += block.positions;

@@ -18,7 +18,9 @@ unsafe impl Sync for Output {}
 
 impl Output {
     /// Over `values`, `[m, n]` row-major. The caller keeps `values` alive and unread until the
-    /// tasks are done.
+    /// tasks are done. (The products write every element into `uninit` buffers; tests write
+    /// into zeroed ones.)
+    #[cfg(test)]
     pub(crate) fn new(values: &mut [f32], n: usize) -> Output {
         assert!(if n == 0 { values.is_empty() } else { values.len() % n == 0 }, "{} values are not rows of {n}", values.len());
         Output { ptr: values.as_mut_ptr(), n }
