@@ -561,15 +561,15 @@ mod x86 {
 
     /// One task's weight rows (the first is row `first` of the matrix) against every x row,
     /// into their columns of `out`, group-major: each group of `RW` weight rows against all the
-    /// x rows, in passes of `S::RX`. From [`super::PASS_MAJOR_ROWS`] x rows on, the passes go
-    /// outside instead ([`block_by_pass`]). The tiles read f32 weights in place. bf16 weights are
-    /// read in place too when there are at most `S::RX` x rows (one tile column: each weight
-    /// vector is widened once anyway) or fewer than the path's [`Simd::WIDEN_ONCE_FROM`] (the
-    /// tiles widen in registers on every pass); otherwise each group of `RW` weight rows is
-    /// widened once, a vector at a time ([`Simd::widen_rows`]), into an f32 scratch block (in
-    /// L1) and reused for every pass of x rows. (The scalar widening was a fifth of a 16-row bf16
-    /// step's samples; vectorised, the step took 1.03-1.26x less time at 8 to 32 rows,
-    /// alternating in one process.)
+    /// x rows, in even passes of at most `S::RX` ([`pass_rows`]). From
+    /// [`super::PASS_MAJOR_ROWS`] x rows on, the passes go outside instead ([`block_by_pass`]).
+    /// The tiles read f32 weights in place. bf16 weights are read in place too when there are
+    /// at most `S::RX` x rows (one tile column: each weight vector is widened once anyway) or
+    /// fewer than the path's [`Simd::WIDEN_ONCE_FROM`] (the tiles widen in registers on every
+    /// pass); otherwise each group of `RW` weight rows is widened once, a vector at a time
+    /// ([`Simd::widen_rows`]), into an f32 scratch block (in L1) and reused for every pass of x
+    /// rows. (The scalar widening was a fifth of a 16-row bf16 step's samples; vectorised, the
+    /// step took 1.03-1.26x less time at 8 to 32 rows, alternating in one process.)
     ///
     /// # Safety
     /// The CPU has the features of path `S`; `out` is `[m, n]` with `first + rows <= n`, and
@@ -639,8 +639,8 @@ mod x86 {
         static WIDENED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
     }
 
-    /// [`block`] for many x rows, pass-major: each pass of `S::RX` x rows (in L1) goes over all
-    /// of the task's weight rows (in L2 after the first pass), instead of every group of `RW`
+    /// [`block`] for many x rows, pass-major: each pass of up to `S::RX` x rows (in L1) goes over
+    /// all of the task's weight rows (in L2 after the first pass), instead of every group of `RW`
     /// weight rows going over all the x rows (which, at hundreds of rows, streamed x from L3
     /// once per group). bf16 weights are widened once for the whole task. The additions of each
     /// element are the same, in the same order, as in [`block`]'s tiles.
