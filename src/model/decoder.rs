@@ -18,6 +18,7 @@ use super::loader::ShardLoader;
 use super::moe::SparseMoe;
 use super::paged::BlockPool;
 use super::parallel::{ParallelLmHead, TpGroup, VocabParallelEmbedding};
+use super::quant::Weight;
 use super::rope::Rotary;
 use super::SequenceInput;
 
@@ -46,6 +47,13 @@ impl FeedForward {
             Self::Sparse(moe) => moe.weights(),
         }
     }
+
+    fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        match self {
+            Self::Dense(mlp) => mlp.matrices_mut(),
+            Self::Sparse(moe) => moe.matrices_mut(),
+        }
+    }
 }
 
 pub struct DecoderLayer {
@@ -63,6 +71,16 @@ impl DecoderLayer {
             TokenMixer::Linear(linear) => linear.weights(),
         });
         all.extend(self.ffn.weights());
+        all
+    }
+
+    /// Its matrices (not the norms), to gather with the other layers' (`super::arena`).
+    fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        let mut all = match &mut self.mixer {
+            TokenMixer::Attention(attention) => attention.matrices_mut(),
+            TokenMixer::Linear(linear) => linear.matrices_mut(),
+        };
+        all.extend(self.ffn.matrices_mut());
         all
     }
 }
@@ -124,6 +142,13 @@ impl Model {
 
     pub fn weight_bytes(&self) -> usize {
         self.weight_tensors().iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum()
+    }
+
+    /// Moves the layers' matrices into one buffer of 2 MiB pages per element type
+    /// ([`super::arena`]); returns the bytes moved. The embedding and LM head stay: one large
+    /// allocation each already, and a tied pair shares its storage.
+    pub fn gather_layer_weights(&mut self) -> Result<usize> {
+        super::arena::gather(self.layers.iter_mut().flat_map(DecoderLayer::matrices_mut).collect())
     }
 
     /// Every tensor that holds a weight of this shard (a tied LM head once).

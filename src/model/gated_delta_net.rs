@@ -24,6 +24,7 @@ use super::layers::{NormWeight, RmsNorm};
 use super::loader::ShardLoader;
 use super::parallel::{ColumnParallelLinear, RowParallelLinear, RowSlice, TpGroup};
 use super::placement::Placement;
+use super::quant::Weight;
 
 /// Tokens per block of the chunked delta rule (as transformers' torch_chunk_gated_delta_rule).
 const CHUNK: usize = 64;
@@ -172,6 +173,11 @@ impl GatedDeltaNet {
         all.extend([&self.conv, self.norm.weight()]);
         all.extend(self.out_proj.weights());
         all
+    }
+
+    /// Its matrices, to gather with the other layers' (`super::arena`).
+    pub fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        vec![self.in_proj.weight_mut(), self.out_proj.weight_mut()]
     }
 
     /// Bytes of one sequence's state in this layer: the conv history (`compute` bytes per

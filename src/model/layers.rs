@@ -13,6 +13,7 @@ use super::attention::attend_batch;
 use super::loader::ShardLoader;
 use super::paged::LayerBlocks;
 use super::parallel::{ColumnParallelLinear, HeadLayout, RowParallelLinear, RowSlice, TpGroup};
+use super::quant::Weight;
 use super::rope::Rotary;
 
 /// How a checkpoint stores an RMSNorm's scale.
@@ -133,6 +134,11 @@ impl Attention {
         all
     }
 
+    /// Its matrices, to gather with the other layers' (`super::arena`).
+    pub fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        vec![self.qkv.weight_mut(), self.o_proj.weight_mut()]
+    }
+
     /// Elements of keys and values one token adds to this rank's cache.
     pub fn kv_elements_per_token(&self) -> usize {
         2 * self.heads.local_kv_heads * self.head_dim
@@ -215,6 +221,11 @@ impl Mlp {
         let mut all = self.gate_up.weights();
         all.extend(self.down.weights());
         all
+    }
+
+    /// Its matrices, to gather with the other layers' (`super::arena`).
+    pub fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        vec![self.gate_up.weight_mut(), self.down.weight_mut()]
     }
 
     /// [tokens, hidden] -> [tokens, hidden], summed over ranks.

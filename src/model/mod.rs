@@ -4,6 +4,7 @@
 //! the same code runs at any TP size and on any device.
 
 pub mod activation;
+pub mod arena;
 pub mod attention;
 pub mod cache;
 pub mod compute_pool;
@@ -216,36 +217,53 @@ impl Model {
             .with_matmul_dtype(matmul)
             .with_quant(quant)
             .with_products(products);
-        let model = match config.family {
+        let mut model = match config.family {
             ModelFamily::Qwen3 | ModelFamily::Llama => qwen3::load(&loader, group, &config),
             ModelFamily::Qwen3Moe => qwen3_moe::load(&loader, group, &config),
             ModelFamily::Qwen3_5 | ModelFamily::Qwen3_5Moe => qwen3_5::load(&loader, group, &config),
         }?;
         if options.device.is_cpu() {
-            model.back_with_huge_pages();
+            model.back_with_huge_pages()?;
         }
         Ok(model)
     }
 
     /// Moves the weights into 2 MiB pages where the OS allows it: decode streams them every
-    /// step, a few percent faster than from 4 KiB pages (`tpserve_kernels::pages`). Weights the
-    /// loader copied from the checkpoint in their own dtype are in them already (advised before
-    /// the copy); the kernel copies the others' pages now, which the load pays (logged with the
-    /// time it took).
-    fn back_with_huge_pages(&self) {
+    /// step, faster than from 4 KiB pages (`tpserve_kernels::pages`). The layers' matrices go
+    /// into one buffer per element type first ([`arena`]: a matrix's own allocation holds only
+    /// its whole pages, few for matrices of a few MiB). Weights the loader copied from the
+    /// checkpoint in their own dtype are in huge pages already (advised before the copy); the
+    /// kernel copies the others' pages now. The load pays for both (logged with the time they
+    /// took).
+    fn back_with_huge_pages(&mut self) -> Result<()> {
         let started = std::time::Instant::now();
+        let gathered = if tpserve_kernels::pages::enabled() {
+            let moved = self.gather_layer_weights().context("gathering the layers' weights into 2 MiB pages")?;
+            // The matrices' own buffers were freed; give the allocator's free pages back.
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            // SAFETY: malloc_trim only returns free heap memory to the kernel; it has no
+            // preconditions and touches no live allocation.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+            moved
+        } else {
+            0
+        };
         let mut done = tpserve_kernels::pages::HugePages::default();
         for t in self.weight_tensors() {
             done += tpserve_kernels::pages::back_with_huge_pages(t);
         }
         let mib = |bytes: usize| bytes >> 20;
         tracing::info!(
+            gathered_mib = mib(gathered),
             advised_mib = mib(done.advised),
             collapsed_mib = mib(done.collapsed),
             weights_mib = mib(self.weight_bytes()),
             seconds = started.elapsed().as_secs_f64(),
             "weights in 2 MiB pages"
         );
+        Ok(())
     }
 
     /// Runs one step for a batch of sequences, creating caches for new sequences, and returns

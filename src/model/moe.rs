@@ -168,6 +168,12 @@ impl SparseMoe {
         Ok(Self { router, experts, shared, top_k: config.top_k, norm_topk_prob: config.norm_topk_prob, group: group.clone() })
     }
 
+    /// Its experts' matrices, to gather with the other layers' (`super::arena`).
+    pub fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        let shared = self.shared.iter_mut().map(|(s, _)| s);
+        self.experts.iter_mut().chain(shared).flat_map(|e| [&mut e.gate_up, &mut e.down]).collect()
+    }
+
     pub fn weights(&self) -> Vec<&Tensor> {
         let mut all = vec![&self.router];
         for expert in self.experts.iter().chain(self.shared.iter().map(|(s, _)| s)) {

@@ -148,6 +148,11 @@ impl ColumnParallelLinear {
         self.weight.tensors().into_iter().chain(self.bias.as_ref()).collect()
     }
 
+    /// Its matrix, to gather with the layers' others (`super::arena`).
+    pub fn weight_mut(&mut self) -> &mut Weight {
+        &mut self.weight
+    }
+
     /// [tokens, in] -> [tokens, local_out]
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         linear(x, &self.weight, self.bias.as_ref())
@@ -212,6 +217,11 @@ impl RowParallelLinear {
 
     pub fn weights(&self) -> Vec<&Tensor> {
         self.weight.tensors().into_iter().chain(self.bias.as_ref()).collect()
+    }
+
+    /// Its matrix, to gather with the layers' others (`super::arena`).
+    pub fn weight_mut(&mut self) -> &mut Weight {
+        &mut self.weight
     }
 
     /// [tokens, local_in] -> [tokens, out], summed over ranks.

@@ -16,12 +16,15 @@
 //! that fails the kernel's khugepaged may still do it later. Collapsing copies every page: 280
 //! MiB took 0.22–0.49 s here, against 0.11–0.14 s to pass over the same weights already in huge
 //! pages. Only the whole 2 MiB pages inside an allocation are advised, so no neighbouring
-//! allocation is touched; a weight smaller than 2 MiB has none. Nothing changes where THP is
+//! allocation is touched; a weight smaller than 2 MiB has none, which is why the model gathers
+//! its layers' matrices into one buffer that starts on a 2 MiB boundary after the load
+//! (`tpserve::model::arena`, advised by [`advise_untouched`]). Nothing changes where THP is
 //! `never`, or off Linux. `TPSERVE_HUGE_PAGES=off` turns the advice off (for comparisons).
 
 use candle_core::{DType, Storage, Tensor};
 
-const HUGE_PAGE: usize = 2 << 20;
+/// The size of a huge page (x86-64 Linux transparent huge pages): 2 MiB.
+pub const HUGE_PAGE: usize = 2 << 20;
 
 /// What [`back_with_huge_pages`] did for some tensors, in bytes.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +63,13 @@ pub fn back_with_huge_pages(t: &Tensor) -> HugePages {
         _ => None,
     };
     bytes.map_or_else(HugePages::default, advise)
+}
+
+/// Asks for 2 MiB pages on memory allocated zeroed and not yet touched (fresh zero pages the
+/// kernel has not backed), as [`advise_unwritten`] does for spare capacity: its whole huge pages
+/// then fault in as huge pages on their first write. Returns the bytes advised.
+pub fn advise_untouched(bytes: &[u8]) -> usize {
+    mark(bytes).1
 }
 
 /// Asks for 2 MiB pages on memory not yet written (a buffer's spare capacity), before its first

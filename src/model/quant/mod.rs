@@ -138,6 +138,17 @@ impl Weight {
         })
     }
 
+    /// The host tensors that can move into another buffer (`crate::model::arena`): a dense
+    /// matrix, or a quantized one's blocks when no other weight shares them (a tied embedding's
+    /// are the LM head's too). Column panels stay where they are.
+    pub fn host_tensors_mut(&mut self) -> Vec<&mut Tensor> {
+        match self {
+            Weight::Dense(t) => vec![t],
+            Weight::Panels(_) => Vec::new(),
+            Weight::Quant(q) => Arc::get_mut(q).map_or_else(Vec::new, |q| q.segments.iter_mut().map(|s| &mut s.data).collect()),
+        }
+    }
+
     /// The tensors that hold it (their bytes are its resident size).
     pub fn tensors(&self) -> Vec<&Tensor> {
         match self {
