@@ -105,8 +105,6 @@ fn bytes_of<T: WithDType>(values: &[T]) -> &[u8] {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use candle_core::quantized::GgmlDType;
 
     use super::*;
