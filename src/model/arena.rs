@@ -4,7 +4,7 @@
 //! an allocation can be huge (`tpserve_kernels::pages`): a matrix of a few MiB, as in small
 //! models and in every quantized one, keeps much of its bytes in 4 KiB pages, and streaming
 //! those costs TLB misses (a plain two-thread read on a Zen 2 guest: 25-27 GB/s from 4 KiB
-//! pages, 30.5 from 2 MiB ones; the 100M test model in q8_0 had 36 of its 101 MiB in huge
+//! pages, 30.5 from 2 MiB ones; the 100M test model in q8_0 had 42 of its 101 MiB in huge
 //! pages). After the load, the layers' matrices of one element type are copied one after the
 //! other into one buffer whose values start on a 2 MiB boundary, and become views of it. Each
 //! matrix's own storage is dropped as soon as it is copied, so the load holds two copies of one
