@@ -49,10 +49,10 @@ fn into_one<T: WithDType>(tensors: &mut [&mut Tensor]) -> Result<usize> {
     // The zeros before and after them are never written: in a zeroed allocation of this size,
     // fresh pages the kernel backs only when touched.
     let slack = pages::HUGE_PAGE / size;
-    let mut buffer = zeroed::<T>(total + 2 * slack);
+    let mut buffer = zeroed::<T>(total + 2 * slack)?;
     let address = buffer.as_ptr() as usize;
     let start = (address.next_multiple_of(pages::HUGE_PAGE) - address) / size;
-    pages::advise_untouched(bytes_of(&buffer[start..]));
+    pages::advise_untouched(&buffer[start..]);
     let mut views = Vec::with_capacity(tensors.len());
     let mut at = start;
     for t in tensors.iter_mut() {
@@ -78,10 +78,10 @@ fn into_one<T: WithDType>(tensors: &mut [&mut Tensor]) -> Result<usize> {
 }
 
 /// `n` zeros of `T`, allocated zeroed (so that pages nobody writes are never backed).
-fn zeroed<T: WithDType>(n: usize) -> Vec<T> {
-    let layout = std::alloc::Layout::array::<T>(n).expect("a buffer no larger than the weights");
+fn zeroed<T: WithDType>(n: usize) -> Result<Vec<T>> {
+    let Ok(layout) = std::alloc::Layout::array::<T>(n) else { bail!("{n} weights of {:?} do not fit in memory", T::DTYPE) };
     if layout.size() == 0 {
-        return Vec::new();
+        return Ok(Vec::new());
     }
     // SAFETY: the layout's size is not zero (checked above) and a null pointer is handled; the
     // allocation has the layout of a `Vec<T>` of capacity `n` (`Layout::array`), as
@@ -92,15 +92,8 @@ fn zeroed<T: WithDType>(n: usize) -> Vec<T> {
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        Vec::from_raw_parts(ptr, n, n)
+        Ok(Vec::from_raw_parts(ptr, n, n))
     }
-}
-
-/// The bytes of `values` (plain numbers without padding), for their addresses.
-fn bytes_of<T: WithDType>(values: &[T]) -> &[u8] {
-    // SAFETY: the element types used here (u8, f32, bf16, f16) have no padding, so `values` is
-    // `size_of_val` initialised bytes, borrowed for as long as `values`.
-    unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
 }
 
 #[cfg(test)]

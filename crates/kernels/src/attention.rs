@@ -171,6 +171,8 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
 // 1,024, 39.1, 35–38 and 28–33. Zen 4 (AVX-512), a pass at once: 0.66 against 0.96 at 64
 // positions. A history of one value pass asks for its values with its keys (`prefetch_chunk`):
 // 96 positions 2.24–2.44 against 2.46–2.88, 192 positions 4.94–5.02 against 5.52–6.04 (Zen 2).
+// The value pass still asks for them again as it goes: skipping that for such histories was
+// slower (192 positions 5.87–6.47 against 5.23–5.82), as the early lines do not all stay in L1.
 // Changes no result.
 
 /// Chunks ahead of the first head's scores whose keys are asked for.

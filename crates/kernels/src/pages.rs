@@ -65,11 +65,11 @@ pub fn back_with_huge_pages(t: &Tensor) -> HugePages {
     bytes.map_or_else(HugePages::default, advise)
 }
 
-/// Asks for 2 MiB pages on memory allocated zeroed and not yet touched (fresh zero pages the
-/// kernel has not backed), as [`advise_unwritten`] does for spare capacity: its whole huge pages
-/// then fault in as huge pages on their first write. Returns the bytes advised.
-pub fn advise_untouched(bytes: &[u8]) -> usize {
-    mark(bytes).1
+/// Asks for 2 MiB pages on `values`, allocated zeroed and not yet touched (fresh zero pages the
+/// kernel has not backed), as [`advise_unwritten`] does for spare capacity: their whole huge
+/// pages then fault in as huge pages on their first write. Returns the bytes advised.
+pub fn advise_untouched<T: candle_core::WithDType>(values: &[T]) -> usize {
+    mark(as_bytes(values)).1
 }
 
 /// Asks for 2 MiB pages on memory not yet written (a buffer's spare capacity), before its first
@@ -84,8 +84,9 @@ pub fn advise_unwritten<T>(spare: &mut [std::mem::MaybeUninit<T>]) -> usize {
 }
 
 fn as_bytes<T: Copy>(values: &[T]) -> &[u8] {
-    // SAFETY: the element types passed here (f32, bf16, f16) are plain data without padding,
-    // so their memory is that many initialised bytes, which live as long as `values`.
+    // SAFETY: the element types passed here (u8, f32, bf16, f16: candle's element types) are
+    // plain numbers without padding, so their memory is that many initialised bytes, which live
+    // as long as `values`.
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values)) }
 }
 
