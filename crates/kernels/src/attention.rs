@@ -173,44 +173,56 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
 // 96 positions 2.24–2.44 against 2.46–2.88, 192 positions 4.94–5.02 against 5.52–6.04 (Zen 2).
 // The value pass still asks for them again as it goes: skipping that for such histories was
 // slower (192 positions 5.87–6.47 against 5.23–5.82), as the early lines do not all stay in L1.
-// Changes no result.
+// A longer history has its values asked for into L2 with the keys, where the value pass's
+// requests into L1 then find them: 512 positions 12.9–13.5 against 13.5–14.5, 1,024 positions
+// 25.5–26.7 against 27.8–29.4, six alternating runs (Zen 2). Changes no result.
 
 /// Chunks ahead of the first head's scores whose keys are asked for.
 const KEY_CHUNKS_AHEAD: usize = 8;
 /// Blocks ahead of the first pass over a run's value rows whose values are asked for.
 const VALUE_BLOCKS_AHEAD: usize = 4;
 
-/// Asks the CPU to bring every cache line of `run` into L1 (the first element of each 64 bytes
-/// and the last: a run that straddles lines gets both).
+/// Asks the CPU to bring every cache line of `run` into L1, or only into L2 with `L2` (the
+/// first element of each 64 bytes and the last: a run that straddles lines gets both).
 #[inline(always)]
-fn prefetch_run(run: &[f32]) {
+fn prefetch_run<const L2: bool>(run: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
         const F32_PER_LINE: usize = 64 / std::mem::size_of::<f32>();
         for at in (0..run.len()).step_by(F32_PER_LINE).chain(run.len().checked_sub(1)) {
+            let line = run[at..].as_ptr().cast();
             // SAFETY: a prefetch only hints at an address (inside `run` here); it never faults
             // and changes no memory. SSE is part of x86-64.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(run[at..].as_ptr().cast()) }
+            unsafe {
+                if L2 {
+                    _mm_prefetch::<_MM_HINT_T1>(line)
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(line)
+                }
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = run;
 }
 
-/// Asks for a chunk's keys, each of its `head_dim` rows of `SCORE_CHUNK` f32, and with `values`
-/// its value rows too: a history of one value pass (at most [`POSITIONS_PER_PASS`] positions, 128
-/// KiB of values at head_dim 128) has them come in with the keys, over the scores and the
-/// softmax, rather than a few blocks ahead of the value pass, whose first pass over the rows
-/// waited on them.
+/// Asks for a chunk's keys, each of its `head_dim` rows of `SCORE_CHUNK` f32, and its value
+/// rows too. A history of one value pass (at most [`POSITIONS_PER_PASS`] positions, 128 KiB of
+/// values at head_dim 128, `values_early`) has them come into L1 with the keys, over the scores
+/// and the softmax, rather than a few blocks ahead of the value pass, whose first pass over the
+/// rows waited on them. A longer one has them come into L2 only, where the value pass's own
+/// requests, a few blocks ahead, then find them.
 #[inline(always)]
-fn prefetch_chunk(chunk: &ScoreChunk<'_>, head_dim: usize, values: bool) {
+fn prefetch_chunk(chunk: &ScoreChunk<'_>, head_dim: usize, values_early: bool) {
     for d in 0..head_dim {
         let row = d * chunk.block_size;
-        prefetch_run(&chunk.keys_t[row..row + SCORE_CHUNK]);
+        prefetch_run::<false>(&chunk.keys_t[row..row + SCORE_CHUNK]);
     }
-    if values {
-        prefetch_run(chunk.values);
+    if values_early {
+        prefetch_run::<false>(chunk.values);
+    } else {
+        prefetch_run::<true>(chunk.values);
     }
 }
 
@@ -218,7 +230,7 @@ fn prefetch_chunk(chunk: &ScoreChunk<'_>, head_dim: usize, values: bool) {
 #[inline(always)]
 fn prefetch_values(block: &HostBlock<'_>, kv_heads: usize, head_dim: usize, kv: usize) {
     let span = block.values.len() / kv_heads.max(1);
-    prefetch_run(&block.values[kv * span..kv * span + (block.positions * head_dim).min(span)]);
+    prefetch_run::<false>(&block.values[kv * span..kv * span + (block.positions * head_dim).min(span)]);
 }
 
 /// `values` folded into eight lanes, value i into lane i % 8: eight independent chains (vector
