@@ -17,32 +17,60 @@ use tpserve_kernels::pages;
 
 use super::quant::Weight;
 
+/// What [`gather`] did: the bytes it moved, the huge pages of its buffers, and which storages
+/// those buffers are (so that the weights now viewing them need no pass of their own).
+#[derive(Default)]
+pub struct Gathered {
+    pub bytes: usize,
+    pub pages: pages::HugePages,
+    buffers: Vec<usize>,
+}
+
+impl Gathered {
+    /// Whether `t` is a view of one of the buffers.
+    pub fn holds(&self, t: &Tensor) -> bool {
+        self.buffers.contains(&storage_address(t))
+    }
+}
+
+/// Which storage `t` views (its address, for comparison only).
+fn storage_address(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    &*storage as *const Storage as usize
+}
+
 /// Moves the host tensors of `weights` (dense matrices, and quantized blocks no other weight
-/// shares; column panels stay where they are) into one buffer per element type. Returns the
-/// bytes moved. An error leaves the weights unusable: the caller fails the load.
-pub fn gather(weights: Vec<&mut Weight>) -> Result<usize> {
+/// shares; column panels stay where they are) into one buffer per element type, each then
+/// held in 2 MiB pages. An error leaves the weights unusable: the caller fails the load.
+pub fn gather(weights: Vec<&mut Weight>) -> Result<Gathered> {
     let mut tensors: Vec<&mut Tensor> = weights.into_iter().flat_map(Weight::host_tensors_mut).collect();
     tensors.retain(|t| t.device().is_cpu() && t.is_contiguous());
-    let mut moved = 0;
+    let mut gathered = Gathered::default();
     for dtype in [DType::U8, DType::F32, DType::BF16, DType::F16] {
         let mut group: Vec<&mut Tensor> = tensors.iter_mut().filter(|t| t.dtype() == dtype).map(|t| &mut **t).collect();
         // A single tensor is already one allocation: copying it would gain little.
         if group.len() < 2 {
             continue;
         }
-        moved += match dtype {
+        let buffer = match dtype {
             DType::U8 => into_one::<u8>(&mut group)?,
             DType::F32 => into_one::<f32>(&mut group)?,
             DType::BF16 => into_one::<half::bf16>(&mut group)?,
             _ => into_one::<half::f16>(&mut group)?,
         };
+        gathered.bytes += buffer.elem_count() * dtype.size_in_bytes();
+        // Where the allocator reused written memory, the advice before the copy did not take:
+        // collapse now, once for the whole buffer (its matrices' boundary pages included).
+        gathered.pages += pages::back_with_huge_pages(&buffer);
+        gathered.buffers.push(storage_address(&buffer));
     }
-    Ok(moved)
+    Ok(gathered)
 }
 
 /// Copies `tensors` (contiguous host tensors of `T`) one after the other into one buffer from
-/// its first 2 MiB boundary on, and replaces each with its view there. Returns the bytes copied.
-fn into_one<T: WithDType>(tensors: &mut [&mut Tensor]) -> Result<usize> {
+/// its first 2 MiB boundary on, and replaces each with its view there. Returns the values' range
+/// of the buffer, a view whose start is on that boundary.
+fn into_one<T: WithDType>(tensors: &mut [&mut Tensor]) -> Result<Tensor> {
     let size = std::mem::size_of::<T>();
     let total: usize = tensors.iter().map(|t| t.elem_count()).sum();
     // Room for the values to start on a 2 MiB boundary and for their last page to be whole.
@@ -69,12 +97,10 @@ fn into_one<T: WithDType>(tensors: &mut [&mut Tensor]) -> Result<usize> {
         at += n;
     }
     let buffer = Tensor::from_vec(buffer, total + 2 * slack, &Device::Cpu)?;
-    // Where the allocator reused written memory, the advice above did not take: collapse now.
-    pages::back_with_huge_pages(&buffer.narrow(0, start, total)?);
     for (t, (at, shape)) in tensors.iter_mut().zip(views) {
         **t = buffer.narrow(0, at, shape.elem_count())?.reshape(shape)?;
     }
-    Ok(total * size)
+    Ok(buffer.narrow(0, start, total)?)
 }
 
 /// `n` zeros of `T`, allocated zeroed (so that pages nobody writes are never backed).
@@ -138,7 +164,7 @@ mod tests {
             })
             .collect();
         let bf16_at = address(host_tensor(&weights[1]));
-        let moved = gather(weights.iter_mut().collect())?;
+        let moved = gather(weights.iter_mut().collect())?.bytes;
         assert_eq!(moved, (35 + 4) * 4, "the two f32 matrices, not the lone bf16 one");
         for (w, (values, dims)) in weights.iter().zip(&before) {
             let t = host_tensor(w);
@@ -162,7 +188,7 @@ mod tests {
         let products = |w: &Weight| -> Result<Vec<f32>> { Ok(w.matmul_t(&x)?.flatten_all()?.to_vec1()?) };
         let before = [products(&a)?, products(&b)?, products(&shared)?];
         let shared_at = address(host_tensor(&shared));
-        let moved = gather(vec![&mut a, &mut b, &mut shared])?;
+        let moved = gather(vec![&mut a, &mut b, &mut shared])?.bytes;
         assert_eq!(moved, 2 * host_tensor(&a).elem_count(), "both unshared matrices' blocks, one byte each");
         assert_eq!(address(host_tensor(&b)), address(host_tensor(&a)) + host_tensor(&a).elem_count());
         assert_eq!(address(host_tensor(&shared)), shared_at);

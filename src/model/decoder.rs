@@ -145,9 +145,9 @@ impl Model {
     }
 
     /// Moves the layers' matrices into one buffer of 2 MiB pages per element type
-    /// ([`super::arena`]); returns the bytes moved. The embedding and LM head stay: one large
-    /// allocation each already, and a tied pair shares its storage.
-    pub fn gather_layer_weights(&mut self) -> Result<usize> {
+    /// ([`super::arena`]). The embedding and LM head stay: one large allocation each already,
+    /// and a tied pair shares its storage.
+    pub fn gather_layer_weights(&mut self) -> Result<super::arena::Gathered> {
         super::arena::gather(self.layers.iter_mut().flat_map(DecoderLayer::matrices_mut).collect())
     }
 

@@ -238,7 +238,7 @@ impl Model {
     fn back_with_huge_pages(&mut self) -> Result<()> {
         let started = std::time::Instant::now();
         let gathered = if tpserve_kernels::pages::enabled() {
-            let moved = self.gather_layer_weights().context("gathering the layers' weights into 2 MiB pages")?;
+            let gathered = self.gather_layer_weights().context("gathering the layers' weights into 2 MiB pages")?;
             // The matrices' own buffers were freed; give the allocator's free pages back.
             #[cfg(all(target_os = "linux", target_env = "gnu"))]
             // SAFETY: malloc_trim only returns free heap memory to the kernel; it has no
@@ -246,17 +246,18 @@ impl Model {
             unsafe {
                 libc::malloc_trim(0);
             }
-            moved
+            gathered
         } else {
-            0
+            arena::Gathered::default()
         };
-        let mut done = tpserve_kernels::pages::HugePages::default();
-        for t in self.weight_tensors() {
+        // The gathered matrices' buffers had their pass; the other weights get theirs.
+        let mut done = gathered.pages;
+        for t in self.weight_tensors().into_iter().filter(|t| !gathered.holds(t)) {
             done += tpserve_kernels::pages::back_with_huge_pages(t);
         }
         let mib = |bytes: usize| bytes >> 20;
         tracing::info!(
-            gathered_mib = mib(gathered),
+            gathered_mib = mib(gathered.bytes),
             advised_mib = mib(done.advised),
             collapsed_mib = mib(done.collapsed),
             weights_mib = mib(self.weight_bytes()),
