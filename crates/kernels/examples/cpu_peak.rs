@@ -65,6 +65,35 @@ mod x86 {
         }
         bytes.into_iter().chain(words).map(|c| _mm256_extract_epi32::<0>(c) as i64).sum()
     }
+
+    /// Four chains each of `vpmaddubsw` and `vpmaddwd` (the 8-bit product's pair) beside
+    /// `FMAS` chains of `vfmadd231ps`: whether f32 multiply-adds issue beside the integer
+    /// multiplies (on a second pipe) or take their slots. `COUNT` integer multiplies in all.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn int_and_fma<const FMAS: usize>() -> i64 {
+        let a = _mm256_set1_epi8(3);
+        let f = _mm256_set1_ps(0.999);
+        let mut bytes = [1, 2, 3, 4].map(|i| _mm256_set1_epi8(i));
+        let mut words = [1, 2, 3, 4].map(|i| _mm256_set1_epi16(i));
+        let mut floats = [0; FMAS].map(|_| f);
+        for (i, x) in floats.iter_mut().enumerate() {
+            *x = _mm256_set1_ps(i as f32 * 1e-3);
+        }
+        for _ in 0..COUNT / 8 {
+            for (b, w) in bytes.iter_mut().zip(words.iter_mut()) {
+                *b = _mm256_maddubs_epi16(*b, a);
+                *w = _mm256_madd_epi16(*w, a);
+            }
+            for x in floats.iter_mut() {
+                *x = _mm256_fmadd_ps(*x, f, f);
+            }
+        }
+        let floats: i64 = floats.into_iter().map(|c| _mm256_cvtss_f32(c) as i64).sum();
+        bytes.into_iter().chain(words).map(|c| _mm256_extract_epi32::<0>(c) as i64).sum::<i64>() + floats
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -104,6 +133,22 @@ fn main() {
     println!("f32 FMA: {:.0} GFLOP/s on {threads} threads", all[0] * 16.0 / 1e9);
     // Each 32 products take one vpmaddubsw and one vpmaddwd: half the mixed loop's rate.
     println!("8-bit products (a vpmaddubsw and a vpmaddwd per 32): {:.0} G/s on {threads} threads", all[3] / 2.0 * 32.0 / 1e9);
+    // The integer pair beside FMAs: where they issue on another pipe, the integer rate holds
+    // and the FMAs come on top (a Q8_0 batch could give some rows to f32 FMAs over the same
+    // 8-bit values, whose sums of 32 products f32 holds exactly).
+    println!("integer multiplies beside FMAs, {threads} threads (giga-instructions a second per thread):");
+    let mixes = [(0, x86::int_and_fma::<0> as unsafe fn() -> i64), (4, x86::int_and_fma::<4>), (8, x86::int_and_fma::<8>)];
+    for (fmas, f) in mixes {
+        let every = rate(f, threads);
+        let fma_rate = every * fmas as f64 / 8.0;
+        println!(
+            "  8 integer + {fmas} FMA a round: {:.2} integer, {:.2} FMA each; 8-bit products {:.0} G/s + f32 multiply-adds {:.0} G/s",
+            every / 1e9,
+            fma_rate / 1e9,
+            every * threads as f64 / 2.0 * 32.0 / 1e9,
+            fma_rate * threads as f64 * 8.0 / 1e9
+        );
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
