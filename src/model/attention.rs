@@ -14,7 +14,7 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
-use tpserve_kernels::attention::{HostBlock, attend_one};
+use tpserve_kernels::attention::{HostBlock, Spread, attend_one};
 
 use super::SequenceInput;
 use super::paged::LayerBlocks;
@@ -77,6 +77,10 @@ fn attend_on_host(
 ) -> Result<Vec<Tensor>> {
     let width = q.dim(0)? * head_dim;
     let q_rows = q.transpose(0, 1)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?; // [tokens, q_heads, head_dim]
+    // Fewer (query row, KV head) tasks than two per thread (a decode step at batch 1, SmolLM2's
+    // 3 KV heads on 2 threads): each task spreads a long history's passes over the threads too.
+    let rows: usize = sequences.iter().map(|&(i, _)| batch[i].tokens.len()).sum();
+    let spread = if rows * kv_heads < 2 * rayon::current_num_threads() { Spread::Threads } else { Spread::Serial };
     let attended: Vec<Result<Option<Vec<f32>>>> = sequences
         .par_iter()
         .map(|&(i, first)| {
@@ -87,7 +91,7 @@ fn attend_on_host(
                     .map(|r| {
                         let q = &q_rows[(first + r) * width..(first + r + 1) * width];
                         let visible = visible_prefix(history, start + r + 1);
-                        let heads: Vec<Vec<f32>> = (0..kv_heads).into_par_iter().map(|kv| attend_one(q, &visible, kv_heads, head_dim, kv)).collect();
+                        let heads: Vec<Vec<f32>> = (0..kv_heads).into_par_iter().map(|kv| attend_one(q, &visible, kv_heads, head_dim, kv, spread)).collect();
                         heads.concat()
                     })
                     .collect();
@@ -240,7 +244,7 @@ mod tests {
             let q_host = q.flatten_all()?.to_vec1::<f32>()?;
             let mut ours = Vec::new();
             for kv in 0..kv_heads {
-                let heads = layer.host_history(&table, total, |history| attend_one(&q_host, history, kv_heads, head_dim, kv))?;
+                let heads = layer.host_history(&table, total, |history| attend_one(&q_host, history, kv_heads, head_dim, kv, Spread::Serial))?;
                 ours.extend(heads.expect("f32 blocks on a CPU"));
             }
             let diff = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

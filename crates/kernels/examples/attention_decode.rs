@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use rayon::prelude::*;
-use tpserve_kernels::attention::{HostBlock, attend_one_with};
+use tpserve_kernels::attention::{HostBlock, Spread, attend_one_with};
 use tpserve_kernels::cpu_matmul::Isa;
 
 const LAYERS: usize = 12;
@@ -66,7 +66,7 @@ fn run() {
                             .map(|(b, block)| HostBlock { keys_t: &block.keys_t, values: &block.values, positions: (positions - b * BLOCK).min(BLOCK) })
                             .collect();
                         (0..KV_HEADS).into_par_iter().for_each(|kv| {
-                            std::hint::black_box(attend_one_with(&q, &history, KV_HEADS, HEAD_DIM, kv, isa));
+                            std::hint::black_box(attend_one_with(&q, &history, KV_HEADS, HEAD_DIM, kv, isa, Spread::Serial));
                         });
                     });
                 }

@@ -18,6 +18,8 @@
 //! maximum and sum run in eight lanes in a fixed order (one scalar chain was a tenth of the
 //! kernel's time at 2,048 positions).
 
+use rayon::prelude::*;
+
 use crate::activation::exp_in_place;
 use crate::cpu_matmul::Isa;
 
@@ -41,121 +43,256 @@ const HEADS_PER_PASS: usize = 4;
 /// `[q_heads * head_dim]` (query head h uses KV head `h / (q_heads / kv_heads)`); returns
 /// `[q_heads / kv_heads * head_dim]`, those heads' outputs in order. No mask: every position of
 /// the history is visible.
-pub fn attend_one(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
-    attend_one_with(q, history, kv_heads, head_dim, kv, Isa::selected())
+pub fn attend_one(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, spread: Spread) -> Vec<f32> {
+    attend_one_with(q, history, kv_heads, head_dim, kv, Isa::selected(), spread)
+}
+
+/// Whether one call of [`attend_one`] spreads the passes of a long history over the pool's
+/// threads: for a caller with fewer (sequence, KV head) tasks than it has threads to keep busy,
+/// such as a decode step at batch 1. The result is the same bits either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Spread {
+    Serial,
+    Threads,
 }
 
 /// [`attend_one`] on a given path. Panics if the CPU does not have it.
-pub fn attend_one_with(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa) -> Vec<f32> {
+pub fn attend_one_with(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa, spread: Spread) -> Vec<f32> {
     assert!(isa.available(), "this CPU has no {isa:?} path");
     assert!(head_dim > 0 && kv < kv_heads && q.len().is_multiple_of(head_dim * kv_heads), "q is not [q_heads * {head_dim}] for {kv_heads} KV heads");
-    match isa {
-        // SAFETY (both arms): the CPU has the features, asserted above.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::attend_avx2(q, history, kv_heads, head_dim, kv) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { x86::attend_avx512(q, history, kv_heads, head_dim, kv) },
-        _ => attend(q, history, kv_heads, head_dim, kv, Isa::Portable),
-    }
+    attend(q, history, kv_heads, head_dim, kv, isa, spread)
 }
 
+/// Runs one phase of [`attend`] (`pass_scores`, `softmax` or `pass_values`) in its build for
+/// `isa`, which [`attend_one_with`] asserted the CPU has.
+macro_rules! dispatch {
+    ($isa:expr, $phase:ident($($arg:expr),* $(,)?)) => {
+        match $isa {
+            // SAFETY (both arms): the CPU has the path, asserted by attend_one_with.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { x86::avx2::$phase($($arg),*) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { x86::avx512::$phase($($arg),*) },
+            _ => $phase($($arg),*),
+        }
+    };
+}
+
+/// The phases of [`attend`], compiled once per instruction set.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{HostBlock, Isa};
+    macro_rules! phases {
+        ($isa:ident, $features:literal) => {
+            pub mod $isa {
+                use crate::attention::{HostBlock, Isa};
 
-    /// # Safety
-    /// The CPU has AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn attend_avx2(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
-        super::attend(q, history, kv_heads, head_dim, kv, Isa::Avx2)
+                /// # Safety
+                /// The CPU has the features enabled here.
+                #[target_feature(enable = $features)]
+                #[allow(clippy::too_many_arguments)]
+                pub unsafe fn pass_scores(
+                    group_q: &[f32],
+                    blocks: &[HostBlock<'_>],
+                    positions: usize,
+                    kv_heads: usize,
+                    head_dim: usize,
+                    kv: usize,
+                    values_early: bool,
+                ) -> Vec<f32> {
+                    crate::attention::pass_scores(group_q, blocks, positions, kv_heads, head_dim, kv, values_early)
+                }
+
+                /// # Safety
+                /// The CPU has the features enabled here.
+                #[target_feature(enable = $features)]
+                pub unsafe fn softmax(probs: &mut [f32], scale: f32, isa: Isa) {
+                    crate::attention::softmax(probs, scale, isa)
+                }
+
+                /// # Safety
+                /// The CPU has the features enabled here.
+                #[target_feature(enable = $features)]
+                #[allow(clippy::too_many_arguments)]
+                pub unsafe fn pass_values(
+                    probs: &[f32],
+                    total: usize,
+                    run: std::ops::Range<usize>,
+                    blocks: &[HostBlock<'_>],
+                    kv_heads: usize,
+                    head_dim: usize,
+                    kv: usize,
+                    isa: Isa,
+                ) -> Vec<f32> {
+                    crate::attention::pass_values(probs, total, run, blocks, kv_heads, head_dim, kv, isa)
+                }
+            }
+        };
     }
 
-    /// # Safety
-    /// The CPU has AVX-512F.
-    #[target_feature(enable = "avx512f")]
-    pub unsafe fn attend_avx512(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
-        super::attend(q, history, kv_heads, head_dim, kv, Isa::Avx512)
-    }
+    phases!(avx2, "avx2,fma");
+    phases!(avx512, "avx512f");
 }
 
 /// Positions each query head of a KV head reads before the next head reads the same ones: their
 /// keys, then their values (256 x head_dim 128 x 4 bytes = 128 KiB), stay in L2 for the whole
 /// group, so a long history comes from memory once per KV head rather than once per query head.
+/// A pass is also the unit of work the threads share (see [`attend`]).
 const POSITIONS_PER_PASS: usize = 256;
 
-/// The body every path compiles: the scores of every position for every query head of the
-/// group, softmax per head, then the probability-weighted sums of the value rows; each in passes
-/// of [`POSITIONS_PER_PASS`] positions shared by the group's heads. Each head's arithmetic is
-/// the same, in the same order, as a pass per head over the whole history.
-#[inline(always)]
-fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa) -> Vec<f32> {
-    let q_heads = q.len() / head_dim;
-    let group = q_heads / kv_heads;
-    let total: usize = history.iter().map(|b| b.positions).sum();
-    if total == 0 {
-        return vec![0f32; group * head_dim]; // nothing to attend to (never so in a decode step)
-    }
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    let head_q = |g: usize| &q[(kv * group + g) * head_dim..(kv * group + g + 1) * head_dim];
-    let chunks = score_chunks(history, kv_heads, head_dim, kv);
-    // A history of one value pass has its values asked for with its keys (see below).
-    let values_early = total <= POSITIONS_PER_PASS;
-    for chunk in chunks.whole.iter().take(KEY_CHUNKS_AHEAD) {
-        prefetch_chunk(chunk, head_dim, values_early);
-    }
-    let mut probs = vec![0f32; group * total]; // [group, total]
-    let per_pass = POSITIONS_PER_PASS / SCORE_CHUNK;
-    for (i, pass) in chunks.whole.chunks(per_pass).enumerate() {
-        for (g, probs) in probs.chunks_exact_mut(total).enumerate() {
-            if g > 0 {
-                whole_scores(head_q(g), pass, probs);
-                continue;
-            }
-            // The first head reads the pass from memory: four chunks at a time, asking for the
-            // keys of the chunks KEY_CHUNKS_AHEAD further on meanwhile.
-            for (j, quad) in pass.chunks(4).enumerate() {
-                let next = i * per_pass + 4 * j + KEY_CHUNKS_AHEAD;
-                for chunk in chunks.whole.get(next..(next + 4).min(chunks.whole.len())).unwrap_or(&[]) {
-                    prefetch_chunk(chunk, head_dim, values_early);
-                }
-                whole_scores(head_q(g), quad, probs);
-            }
-        }
-    }
-    for (g, probs) in probs.chunks_exact_mut(total).enumerate() {
-        partial_scores(head_q(g), &chunks.partial, probs);
-        // softmax(scores * scale), as candle's softmax_last_dim: exp(x - max) / sum, with the
-        // 8-lane exponential of `activation` (with libm's, one position at a time, this kernel
-        // took 20.7-22.1 ms over 12 layers of 4 x 2,048 positions, against 16.4-20.9)
-        let max = lanes(probs, f32::NEG_INFINITY, |m, s| m.max(s * scale)).into_iter().fold(f32::NEG_INFINITY, f32::max);
-        for p in probs.iter_mut() {
-            *p = *p * scale - max;
-        }
-        exp_in_place(probs, isa);
-        let [a, b, c, d, e, f, g, h] = lanes(probs, 0.0, |sum, p| sum + p);
-        let sum = ((a + e) + (c + g)) + ((b + f) + (d + h));
-        for p in probs.iter_mut() {
-            *p /= sum;
-        }
-    }
-    let mut out = vec![0f32; group * head_dim];
+/// Whole blocks of a history, about [`POSITIONS_PER_PASS`] positions (at least one block).
+struct Pass {
+    blocks: std::ops::Range<usize>,
+    /// the pass's first position in the history
+    at: usize,
+    positions: usize,
+}
+
+/// The history's passes, in order. They depend on the blocks alone, never on the threads.
+fn passes(history: &[HostBlock<'_>]) -> Vec<Pass> {
+    let mut passes = Vec::new();
     let (mut first, mut at) = (0, 0);
     while first < history.len() {
-        // Whole blocks up to about POSITIONS_PER_PASS positions (at least one).
         let mut end = first + 1;
         let mut positions = history[first].positions;
         while end < history.len() && positions + history[end].positions <= POSITIONS_PER_PASS {
             positions += history[end].positions;
             end += 1;
         }
-        for block in history[first..end].iter().take(VALUE_BLOCKS_AHEAD) {
-            prefetch_values(block, kv_heads, head_dim, kv);
-        }
-        for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
-            let probs = &probs[heads * HEADS_PER_PASS * total..];
-            add_weighted_values(probs, total, at..at + positions, &history[first..end], kv_heads, head_dim, kv, out, isa);
-        }
+        passes.push(Pass { blocks: first..end, at, positions });
         (first, at) = (end, at + positions);
+    }
+    passes
+}
+
+/// `f` of every pass, in order; with [`Spread::Threads`] the passes run on the pool's threads,
+/// so that a long history of one sequence keeps every thread reading (a decode step at batch 1
+/// with fewer KV heads than threads, or a number that does not divide among them).
+fn in_passes<T: Send>(passes: &[Pass], spread: Spread, f: impl Fn(&Pass) -> T + Sync + Send) -> Vec<T> {
+    match spread {
+        Spread::Threads if passes.len() > 1 => passes.par_iter().map(f).collect(),
+        _ => passes.iter().map(f).collect(),
+    }
+}
+
+/// The attention of one query row for the query heads of KV head `kv`: the scores of every
+/// position, softmax per head, then the probability-weighted sums of the value rows. Scores and
+/// values go a pass at a time (each pass's keys, then its values, read from memory once for the
+/// whole group); each pass's weighted values are summed from zero and the passes' sums added in
+/// order. Every path runs the same arithmetic in the same order, however the passes are spread
+/// over threads.
+fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa, spread: Spread) -> Vec<f32> {
+    let q_heads = q.len() / head_dim;
+    let group = q_heads / kv_heads;
+    let total: usize = history.iter().map(|b| b.positions).sum();
+    if total == 0 {
+        return vec![0f32; group * head_dim]; // nothing to attend to (never so in a decode step)
+    }
+    let passes = passes(history);
+    let group_q = &q[kv * group * head_dim..(kv + 1) * group * head_dim];
+    // A history of one value pass has its values asked for with its keys (see below).
+    let values_early = total <= POSITIONS_PER_PASS;
+    let scores = in_passes(&passes, spread, |pass| {
+        let blocks = &history[pass.blocks.clone()];
+        dispatch!(isa, pass_scores(group_q, blocks, pass.positions, kv_heads, head_dim, kv, values_early))
+    });
+    let mut probs = vec![0f32; group * total]; // [group, total]
+    for (pass, scores) in passes.iter().zip(&scores) {
+        for (g, scores) in scores.chunks_exact(pass.positions).enumerate() {
+            probs[g * total + pass.at..g * total + pass.at + pass.positions].copy_from_slice(scores);
+        }
+    }
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    for probs in probs.chunks_exact_mut(total) {
+        dispatch!(isa, softmax(probs, scale, isa));
+    }
+    let sums = in_passes(&passes, spread, |pass| {
+        let blocks = &history[pass.blocks.clone()];
+        dispatch!(isa, pass_values(&probs, total, pass.at..pass.at + pass.positions, blocks, kv_heads, head_dim, kv, isa))
+    });
+    let mut sums = sums.into_iter();
+    let mut out = sums.next().unwrap_or_else(|| vec![0f32; group * head_dim]);
+    for sum in sums {
+        for (o, s) in out.iter_mut().zip(sum) {
+            *o += s;
+        }
+    }
+    out
+}
+
+/// The scores `q_g . k_t` of every head g of the group (`group_q`, [group, head_dim]) for the
+/// positions of one pass's `blocks`: [group, positions]. The first head reads the keys from
+/// memory, four chunks at a time, asking for those KEY_CHUNKS_AHEAD chunks further on meanwhile;
+/// the others find them in L2.
+#[inline(always)]
+fn pass_scores(
+    group_q: &[f32],
+    blocks: &[HostBlock<'_>],
+    positions: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    kv: usize,
+    values_early: bool,
+) -> Vec<f32> {
+    let chunks = score_chunks(blocks, kv_heads, head_dim, kv);
+    for chunk in chunks.whole.iter().take(KEY_CHUNKS_AHEAD) {
+        prefetch_chunk(chunk, head_dim, values_early);
+    }
+    let mut scores = vec![0f32; group_q.len() / head_dim * positions];
+    for (g, (q, scores)) in group_q.chunks_exact(head_dim).zip(scores.chunks_exact_mut(positions)).enumerate() {
+        if g > 0 {
+            whole_scores(q, &chunks.whole, scores);
+        } else {
+            for (j, quad) in chunks.whole.chunks(4).enumerate() {
+                let next = 4 * j + KEY_CHUNKS_AHEAD;
+                for chunk in chunks.whole.get(next..(next + 4).min(chunks.whole.len())).unwrap_or(&[]) {
+                    prefetch_chunk(chunk, head_dim, values_early);
+                }
+                whole_scores(q, quad, scores);
+            }
+        }
+        partial_scores(q, &chunks.partial, scores);
+    }
+    scores
+}
+
+/// softmax(scores * scale) in place, as candle's softmax_last_dim: exp(x - max) / sum, with the
+/// 8-lane exponential of `activation` (with libm's, one position at a time, this kernel took
+/// 20.7-22.1 ms over 12 layers of 4 x 2,048 positions, against 16.4-20.9).
+#[inline(always)]
+fn softmax(probs: &mut [f32], scale: f32, isa: Isa) {
+    let max = lanes(probs, f32::NEG_INFINITY, |m, s| m.max(s * scale)).into_iter().fold(f32::NEG_INFINITY, f32::max);
+    for p in probs.iter_mut() {
+        *p = *p * scale - max;
+    }
+    exp_in_place(probs, isa);
+    let [a, b, c, d, e, f, g, h] = lanes(probs, 0.0, |sum, p| sum + p);
+    let sum = ((a + e) + (c + g)) + ((b + f) + (d + h));
+    for p in probs.iter_mut() {
+        *p /= sum;
+    }
+}
+
+/// `sum_t p_g[t] * v_t` over the positions `run` of one pass's `blocks`, for every head g of the
+/// group (probabilities `probs`, [group, total]): [group, head_dim], summed from zero.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pass_values(
+    probs: &[f32],
+    total: usize,
+    run: std::ops::Range<usize>,
+    blocks: &[HostBlock<'_>],
+    kv_heads: usize,
+    head_dim: usize,
+    kv: usize,
+    isa: Isa,
+) -> Vec<f32> {
+    for block in blocks.iter().take(VALUE_BLOCKS_AHEAD) {
+        prefetch_values(block, kv_heads, head_dim, kv);
+    }
+    let mut out = vec![0f32; probs.len() / total * head_dim];
+    for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
+        let probs = &probs[heads * HEADS_PER_PASS * total..];
+        add_weighted_values(probs, total, run.clone(), blocks, kv_heads, head_dim, kv, out, isa);
     }
     out
 }
@@ -493,19 +630,19 @@ mod tests {
         let mut ran = Vec::new();
         for (kv_heads, q_heads, head_dim) in [(2, 6, 64), (1, 4, 128), (2, 4, 64), (1, 5, 128), (4, 4, 72), (2, 2, 8), (1, 7, 40), (2, 16, 32)] {
             for block_size in [16, 32, 5] {
-                for total in [1, 7, 16, 17, 50, POSITIONS_PER_PASS + 37] {
+                for total in [1, 7, 16, 17, 50, POSITIONS_PER_PASS + 37, 3 * POSITIONS_PER_PASS + 11] {
                     let storage = history_storage(kv_heads, head_dim, block_size, total);
                     let blocks: Vec<HostBlock<'_>> =
                         storage.iter().map(|(k, v, positions)| HostBlock { keys_t: k, values: v, positions: *positions }).collect();
                     let q = values(q_heads * head_dim, total as u64);
                     for kv in 0..kv_heads {
                         let expected = reference(&q, &blocks, kv_heads, head_dim, kv);
-                        let portable = attend_one_with(&q, &blocks, kv_heads, head_dim, kv, Isa::Portable);
+                        let portable = attend_one_with(&q, &blocks, kv_heads, head_dim, kv, Isa::Portable, Spread::Serial);
                         for (i, (got, want)) in portable.iter().zip(&expected).enumerate() {
                             assert!((got - want).abs() < 1e-5, "head_dim {head_dim} block {block_size} total {total} kv {kv} [{i}]: {got} vs {want}");
                         }
                         for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
-                            assert_eq!(attend_one_with(&q, &blocks, kv_heads, head_dim, kv, isa), portable, "{isa:?}");
+                            assert_eq!(attend_one_with(&q, &blocks, kv_heads, head_dim, kv, isa, Spread::Serial), portable, "{isa:?}");
                             if !ran.contains(&isa) {
                                 ran.push(isa);
                             }
@@ -515,5 +652,27 @@ mod tests {
             }
         }
         eprintln!("attention paths tested: {ran:?} (selected: {:?})", Isa::selected());
+    }
+
+    /// A long history's passes spread over threads give the bits of one thread's passes in
+    /// order, on every path, whatever the pool's size.
+    #[test]
+    fn spreading_the_passes_over_threads_changes_no_bit() {
+        let (kv_heads, q_heads, head_dim) = (3, 9, 64);
+        for total in [POSITIONS_PER_PASS - 3, 2 * POSITIONS_PER_PASS, 5 * POSITIONS_PER_PASS + 9] {
+            let storage = history_storage(kv_heads, head_dim, 16, total);
+            let blocks: Vec<HostBlock<'_>> = storage.iter().map(|(k, v, positions)| HostBlock { keys_t: k, values: v, positions: *positions }).collect();
+            let q = values(q_heads * head_dim, total as u64);
+            for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
+                for kv in 0..kv_heads {
+                    let serial = attend_one_with(&q, &blocks, kv_heads, head_dim, kv, isa, Spread::Serial);
+                    for threads in [1, 2, 3] {
+                        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                        let spread = pool.install(|| attend_one_with(&q, &blocks, kv_heads, head_dim, kv, isa, Spread::Threads));
+                        assert_eq!(spread, serial, "{isa:?} total {total} kv {kv} threads {threads}");
+                    }
+                }
+            }
+        }
     }
 }
