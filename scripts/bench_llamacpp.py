@@ -1,6 +1,7 @@
 """llama.cpp (through llama-cpp-python) on a GGUF: greedy decode tokens/s, batch 1.
 
     python bench_llamacpp.py decode MODEL.gguf PROMPT.json NEW THREADS   -> JSON on stdout
+        (decode and prompt tokens/s, the greedy ids)
     python bench_llamacpp.py requantize IN.gguf OUT.gguf q8_0             (llama_model_quantize)
     python bench_llamacpp.py reference MODEL.gguf EXPECTED.json NEW > OUT.json
         llama.cpp's greedy ids for each prompt of a fixture's expected.json (the reference
@@ -15,9 +16,12 @@ def decode(model, prompts, new, threads):
     from llama_cpp import Llama
 
     prompt = json.load(open(prompts))[0]
-    llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512, verbose=False)
+    n_ctx = max(1024, len(prompt) + new + 16)
+    llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512, verbose=False)
     llm.reset()
+    started = time.perf_counter()
     llm.eval(prompt)
+    prefill = len(prompt) / (time.perf_counter() - started)
     tokens = []
     start = None
     for _ in range(new):
@@ -28,7 +32,7 @@ def decode(model, prompts, new, threads):
         llm.eval([token])
     seconds = time.perf_counter() - start
     # the first sampled token came from the prefill; NEW single-token evals were timed after it
-    print(json.dumps({"tokens_per_second": new / seconds, "new_ids": tokens}))
+    print(json.dumps({"tokens_per_second": new / seconds, "prefill_tokens_per_second": prefill, "new_ids": tokens}))
 
 
 def reference(model, expected, new):
