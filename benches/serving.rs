@@ -173,7 +173,7 @@ fn in_process_decode(model: &std::path::Path, format: &str) -> f64 {
     let prompt: Vec<u32> = (0..PROMPT_TOKENS as u32).map(|t| (t * 7919) % 32000).collect();
     let mut best: f64 = 0.0;
     for run in 0..3 {
-        let timed = offline::greedy_timed(&model, run + 1, &prompt, NEW_TOKENS as usize, 0, &[]).unwrap();
+        let timed = offline::greedy_timed(&model, run + 1, &prompt, NEW_TOKENS as usize, 0, &[], None).unwrap();
         best = best.max(timed.timing.decode_steps as f64 / timed.timing.decode_time.as_secs_f64());
     }
     best

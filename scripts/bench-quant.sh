@@ -5,7 +5,9 @@
 # (coordinator + one rank process, a streaming gRPC client timing the tokens as they arrive),
 # tpserve dequantized (--dtype f32), and llama.cpp on the same file, batch 1, THREADS (2)
 # threads, NEW (64) new tokens, interleaved, best of RUNS (3). Then Q4_1 again after a prompt
-# of LONG (1500) tokens, where each decode step also reads the long history's keys and values.
+# of LONG (1500) tokens, where each decode step also reads the long history's keys and values:
+# tpserve with its f32 KV cache (the default) and with --kv-cache-dtype f16 (llama.cpp's
+# default cache type, which llama.cpp runs with here).
 # Needs a release build, target/model-cache from tests/smollm2.rs, and a Python with
 # llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python):
 #   cargo build --release && PYTHON=/path/to/venv/bin/python scripts/bench-quant.sh
@@ -53,10 +55,13 @@ for run in $(seq "$RUNS"); do
     record "$fmt llama.cpp" "$("$PYTHON" scripts/bench_llamacpp.py decode "$gguf" "$tmp/p.json" "$NEW" "$THREADS" 2>/dev/null \
         | python3 -c "import json, sys; print(round(json.load(sys.stdin)['tokens_per_second'], 2))")"
   done
-  target/release/tpserve eval-shard --model "$Q4_1" --dtype auto --rank 0 --world-size 1 --rendezvous "unix://$tmp/c.sock" \
-      --prompts "$tmp/long.json" --max-new "$NEW" --threads "$THREADS" --out "$tmp/out.json" >/dev/null 2>&1
-  record "long tpserve" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['decode_tokens'] / r['decode_seconds'], 2))")"
-  record "long tpserve prefill" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['prefill_tokens'] / r['prefill_seconds'], 2))")"
+  for kv in f32 f16; do
+    target/release/tpserve eval-shard --model "$Q4_1" --dtype auto --kv-cache-dtype "$kv" --rank 0 --world-size 1 \
+        --rendezvous "unix://$tmp/c.sock" --prompts "$tmp/long.json" --max-new "$NEW" --threads "$THREADS" \
+        --out "$tmp/out.json" >/dev/null 2>&1
+    record "long tpserve $kv" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['decode_tokens'] / r['decode_seconds'], 2))")"
+    record "long tpserve $kv prefill" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['prefill_tokens'] / r['prefill_seconds'], 2))")"
+  done
   "$PYTHON" scripts/bench_llamacpp.py decode "$Q4_1" "$tmp/long.json" "$NEW" "$THREADS" >"$tmp/llama.json" 2>/dev/null
   record "long llama.cpp" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['tokens_per_second'], 2))")"
   record "long llama.cpp prefill" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['prefill_tokens_per_second'], 2))")"
@@ -69,7 +74,9 @@ for fmt in Q4_1 Q8_0; do
 done
 echo
 echo "Q4_1 after a $LONG-token prompt (tokens/s):"
-echo "| | tpserve | llama.cpp | tpserve / llama.cpp |"
-echo "|---|---|---|---|"
-python3 -c "t, l = ${best[long tpserve]}, ${best[long llama.cpp]}; print(f'| decode | {t:.1f} | {l:.1f} | {t / l:.2f}x |')"
-python3 -c "t, l = ${best[long tpserve prefill]}, ${best[long llama.cpp prefill]}; print(f'| prefill | {t:.1f} | {l:.1f} | {t / l:.2f}x |')"
+echo "| | tpserve, f32 KV cache | tpserve, f16 KV cache | llama.cpp (f16 KV cache) | f32 cache / llama.cpp | f16 cache / llama.cpp |"
+echo "|---|---|---|---|---|---|"
+for what in decode prefill; do
+  suffix=""; [ "$what" = prefill ] && suffix=" prefill"
+  python3 -c "t, h, l = ${best[long tpserve f32$suffix]}, ${best[long tpserve f16$suffix]}, ${best[long llama.cpp$suffix]}; print(f'| $what | {t:.1f} | {h:.1f} | {l:.1f} | {t / l:.2f}x | {h / l:.2f}x |')"
+done

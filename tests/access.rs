@@ -147,7 +147,7 @@ async fn admin_loads_and_rejects_models_without_harm() {
     let mut admin = AdminClient::new(channel(&address).await);
     let load = |id: &str, path: &std::path::Path| {
         with_header(
-            pb::LoadModelRequest { model_id: id.into(), path: path.display().to_string(), dtype: String::new(), quantize: String::new(), matmul_precision: String::new() },
+            pb::LoadModelRequest { model_id: id.into(), path: path.display().to_string(), dtype: String::new(), quantize: String::new(), matmul_precision: String::new(), kv_cache_dtype: String::new() },
             "authorization",
             "Bearer admin-secret",
         )

@@ -320,6 +320,7 @@ async fn rank_survives_random_steps() {
         epoch: 1,
         quantize: String::new(),
         matmul_precision: String::new(),
+        kv_cache_dtype: String::new(),
         kv_block_size: 16,
         kv_blocks: 0,
     };

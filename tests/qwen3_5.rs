@@ -406,6 +406,7 @@ fn admin_load(address: &str, model_id: &str, path: &Path) {
             dtype: String::new(),
             quantize: String::new(),
             matmul_precision: String::new(),
+            kv_cache_dtype: String::new(),
         });
         let bearer = format!("Bearer {ADMIN_TOKEN}").parse().unwrap();
         request.metadata_mut().insert("authorization", bearer);

@@ -331,7 +331,7 @@ fn admin_request<T>(message: T) -> tonic::Request<T> {
 
 async fn load(admin: &mut AdminClient<Channel>, id: &str, fixture: &str) {
     let path = common::fixture(fixture).display().to_string();
-    let request = pb::LoadModelRequest { model_id: id.into(), path, dtype: String::new(), quantize: String::new(), matmul_precision: String::new() };
+    let request = pb::LoadModelRequest { model_id: id.into(), path, dtype: String::new(), quantize: String::new(), matmul_precision: String::new(), kv_cache_dtype: String::new() };
     admin.load_model(admin_request(request)).await.unwrap();
 }
 

@@ -58,6 +58,9 @@ pub struct EvalShardArgs {
     /// exact, or bf16: bf16 weights' products with activations rounded to bf16 (CPU)
     #[arg(long, default_value = "exact")]
     pub matmul_precision: String,
+    /// The KV cache's element type: auto (the compute dtype), f32, or f16 (CPU; lossy)
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
     /// Token ids never chosen (EOS while it is ignored)
     #[arg(long, value_delimiter = ',')]
     pub suppress: Vec<u32>,
@@ -133,6 +136,7 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
     let (dtype, quant) = crate::model::parse_load_dtype(&args.dtype, &args.quantize, &device, &args.model).map_err(anyhow::Error::msg)?;
     let started = Instant::now();
     let products = crate::model::parse_matmul_precision(&args.matmul_precision, dtype, quant, &device).map_err(anyhow::Error::msg)?;
+    let kv_dtype = crate::model::parse_kv_cache_dtype(&args.kv_cache_dtype, &device).map_err(anyhow::Error::msg)?;
     let options = LoadOptions { dtype, device, products };
     let progress = Arc::new(LoadProgress::default());
     let model = Model::load_quantized(&args.model, &group, &options, quant, progress.clone())?;
@@ -142,7 +146,7 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
     let (mut prefill_seconds, mut prefill_tokens) = (0.0, 0);
     let (mut decode_seconds, mut decode_tokens) = (0.0, 0);
     for (i, prompt) in prompts.iter().enumerate() {
-        let timed = offline::greedy_timed(&model, i as u64 + 1, prompt, args.max_new, args.chunk, &args.suppress)?;
+        let timed = offline::greedy_timed(&model, i as u64 + 1, prompt, args.max_new, args.chunk, &args.suppress, kv_dtype)?;
         prefill_seconds += timed.timing.prefill_time.as_secs_f64();
         prefill_tokens += timed.timing.prefill_tokens;
         decode_seconds += timed.timing.decode_time.as_secs_f64();
@@ -152,7 +156,7 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
     let mut bench = Vec::with_capacity(args.bench_batches.len());
     let mut next_seq = prompts.len() as u64 + 1;
     for &batch in &args.bench_batches {
-        let result = bench_decode(&model, comm.as_ref(), next_seq, batch, &args)?;
+        let result = bench_decode(&model, comm.as_ref(), next_seq, batch, &args, kv_dtype)?;
         if args.rank == 0 {
             eprintln!(
                 "decode batch {batch}: {:.1} tokens/s ({:.2} ms/step over {} steps); its prefill of {} rows: {:.1} ms",
@@ -188,7 +192,7 @@ pub fn run(args: EvalShardArgs) -> Result<()> {
 }
 
 /// Times batched greedy decode (one process per rank, every rank runs it).
-fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usize, args: &EvalShardArgs) -> Result<BenchResult> {
+fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usize, args: &EvalShardArgs, kv_dtype: Option<DType>) -> Result<BenchResult> {
     if batch == 0 {
         bail!("--bench-batches sizes must be positive");
     }
@@ -201,7 +205,7 @@ fn bench_decode(model: &Model, comm: &dyn Collective, first_seq: u64, batch: usi
     let per_sequence = positions.div_ceil(DEFAULT_BLOCK_SIZE);
     let tables: Vec<Vec<u32>> =
         (0..batch).map(|b| contiguous_table((b * per_sequence) as u32, positions, DEFAULT_BLOCK_SIZE)).collect();
-    let mut store = CacheStore::new(BlockPool::new(batch * per_sequence, DEFAULT_BLOCK_SIZE));
+    let mut store = CacheStore::new(BlockPool::new(batch * per_sequence, DEFAULT_BLOCK_SIZE).with_kv_dtype(kv_dtype));
     let prefill: Vec<SequenceInput<'_>> =
         seq_ids.iter().zip(&tables).map(|(&seq_id, table)| SequenceInput::new(seq_id, &prompt, 0, true, table)).collect();
     let prefill_started = Instant::now();

@@ -418,6 +418,11 @@ pub struct WeightArgs {
     /// faster in a batch with avx512_bf16's vdpbf16ps); needs bf16 weights
     #[arg(long, default_value = "exact")]
     pub matmul_precision: String,
+    /// The KV cache's element type: auto (the compute dtype: f32 on a CPU, the exact path), f32,
+    /// or f16 (CPU: half the memory a position and half the bytes a decode step reads from a
+    /// long history, keys and values rounded to f16; lossy, as llama.cpp's default cache)
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
 }
 
 impl WeightArgs {
@@ -431,6 +436,14 @@ impl WeightArgs {
         if !matches!(self.matmul_precision.as_str(), "" | "exact" | "bf16") {
             bail!("unknown matmul precision \"{}\" (expected exact or bf16)", self.matmul_precision);
         }
-        Ok(WeightFormat { dtype: self.dtype.clone(), quantize: self.quantize.clone(), matmul_precision: self.matmul_precision.clone() })
+        if !matches!(self.kv_cache_dtype.as_str(), "" | "auto" | "f32" | "f16") {
+            bail!("unknown KV cache dtype \"{}\" (expected auto, f32 or f16)", self.kv_cache_dtype);
+        }
+        Ok(WeightFormat {
+            dtype: self.dtype.clone(),
+            quantize: self.quantize.clone(),
+            matmul_precision: self.matmul_precision.clone(),
+            kv_cache_dtype: self.kv_cache_dtype.clone(),
+        })
     }
 }

@@ -116,7 +116,13 @@ pub struct ModelHandle {
 }
 
 fn shard_weights(rank: usize, shard: &rank_pb::ShardInfo) -> pb::ShardWeights {
-    pb::ShardWeights { rank: rank as u32, dtype: shard.dtype.clone(), formats: shard.formats.clone(), weight_bytes: shard.weight_bytes }
+    pb::ShardWeights {
+        rank: rank as u32,
+        dtype: shard.dtype.clone(),
+        formats: shard.formats.clone(),
+        weight_bytes: shard.weight_bytes,
+        kv_cache_dtype: shard.kv_cache_dtype.clone(),
+    }
 }
 
 impl ModelHandle {
@@ -443,7 +449,15 @@ impl Coordinator {
             *default = Some(id.to_owned());
         }
         for (rank, shard) in shards.iter().enumerate() {
-            tracing::info!(model = id, rank, dtype = %shard.dtype, formats = %shard.formats, weight_bytes = shard.weight_bytes, "rank holds");
+            tracing::info!(
+                model = id,
+                rank,
+                dtype = %shard.dtype,
+                formats = %shard.formats,
+                weight_bytes = shard.weight_bytes,
+                kv_cache_dtype = %shard.kv_cache_dtype,
+                "rank holds"
+            );
         }
         tracing::info!(model = id, path = %path.display(), dtype = %handle.dtype, kv_capacity_tokens = handle.kv_capacity_tokens, kv_blocks = handle.pool.blocks, "model ready");
         Ok(handle)

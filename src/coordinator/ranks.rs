@@ -24,13 +24,14 @@ const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 type Client = RankClient<InterceptedService<Channel, AttachToken>>;
 
-/// How the ranks hold a model's weights: `--dtype`, `--quantize` and `--matmul-precision`,
-/// sent in LoadShard.
+/// How the ranks hold a model's weights and cache: `--dtype`, `--quantize`,
+/// `--matmul-precision` and `--kv-cache-dtype`, sent in LoadShard.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WeightFormat {
     pub dtype: String,
     pub quantize: String,
     pub matmul_precision: String,
+    pub kv_cache_dtype: String,
 }
 
 impl WeightFormat {
@@ -152,6 +153,7 @@ impl RankSet {
                 epoch,
                 quantize: weights.quantize.clone(),
                 matmul_precision: weights.matmul_precision.clone(),
+                kv_cache_dtype: weights.kv_cache_dtype.clone(),
                 kv_block_size: crate::model::paged::DEFAULT_BLOCK_SIZE as u32,
                 kv_blocks,
             };

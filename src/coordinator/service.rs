@@ -377,8 +377,12 @@ impl Admin for AdminService {
             return Err(Error::new(Kind::AlreadyExists, format!("model \"{}\" is already loaded", request.model_id)).into());
         }
         let dtype = if request.dtype.is_empty() { "auto" } else { &request.dtype };
-        let weights =
-            WeightFormat { dtype: dtype.to_owned(), quantize: request.quantize.clone(), matmul_precision: request.matmul_precision.clone() };
+        let weights = WeightFormat {
+            dtype: dtype.to_owned(),
+            quantize: request.quantize.clone(),
+            matmul_precision: request.matmul_precision.clone(),
+            kv_cache_dtype: request.kv_cache_dtype.clone(),
+        };
         let handle = coordinator.load_model(&request.model_id, std::path::Path::new(&request.path), &weights).await?;
         Ok(Response::new(pb::LoadModelResponse { model: Some(handle.info(coordinator.supervisor.tp_size())) }))
     }

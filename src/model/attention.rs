@@ -14,10 +14,10 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
-use tpserve_kernels::attention::{HostBlock, Spread, attend_one};
+use tpserve_kernels::attention::{HostBlock, KvElement, Spread, attend_one};
 
 use super::SequenceInput;
-use super::paged::LayerBlocks;
+use super::paged::{HostHistory, LayerBlocks};
 use super::placement::Placement;
 
 /// Attention for every sequence of a step: writes each one's new keys and values `k`, `v`
@@ -86,16 +86,11 @@ fn attend_on_host(
         .map(|&(i, first)| {
             let (n, start) = (batch[i].tokens.len(), batch[i].start_pos);
             blocks.host_history(batch[i].blocks, start + n, |history| {
-                let rows: Vec<Vec<f32>> = (0..n)
-                    .into_par_iter()
-                    .map(|r| {
-                        let q = &q_rows[(first + r) * width..(first + r + 1) * width];
-                        let visible = visible_prefix(history, start + r + 1);
-                        let heads: Vec<Vec<f32>> = (0..kv_heads).into_par_iter().map(|kv| attend_one(q, &visible, kv_heads, head_dim, kv, spread)).collect();
-                        heads.concat()
-                    })
-                    .collect();
-                rows.concat()
+                let q = &q_rows[first * width..(first + n) * width];
+                match history {
+                    HostHistory::F32(history) => attend_rows_in_place(q, n, &history, start, kv_heads, head_dim, spread),
+                    HostHistory::F16(history) => attend_rows_in_place(q, n, &history, start, kv_heads, head_dim, spread),
+                }
             })
         })
         .collect();
@@ -107,6 +102,7 @@ fn attend_on_host(
             // Not f32 blocks on a CPU after all: the gathered form.
             None => {
                 let (keys_t, values) = blocks.gather(batch[i].blocks, batch[i].start_pos + n)?;
+                let (keys_t, values) = (keys_t.to_dtype(q.dtype())?, values.to_dtype(q.dtype())?);
                 attend(&q.narrow(1, first, n)?, &keys_t, &values, batch[i].start_pos, kv_heads, head_dim)?
             }
         });
@@ -114,8 +110,24 @@ fn attend_on_host(
     Ok(outputs)
 }
 
+/// The `n` query rows `q` ([n, q_heads * head_dim]) of a sequence, the first at position
+/// `start`, each against the positions of `history` it may see: [n * q_heads * head_dim].
+fn attend_rows_in_place<T: KvElement>(q: &[f32], n: usize, history: &[HostBlock<'_, T>], start: usize, kv_heads: usize, head_dim: usize, spread: Spread) -> Vec<f32> {
+    let width = q.len() / n.max(1);
+    let rows: Vec<Vec<f32>> = (0..n)
+        .into_par_iter()
+        .map(|r| {
+            let q = &q[r * width..(r + 1) * width];
+            let visible = visible_prefix(history, start + r + 1);
+            let heads: Vec<Vec<f32>> = (0..kv_heads).into_par_iter().map(|kv| attend_one(q, &visible, kv_heads, head_dim, kv, spread)).collect();
+            heads.concat()
+        })
+        .collect();
+    rows.concat()
+}
+
 /// The first `positions` positions of `history` (causal attention: what one query row sees).
-fn visible_prefix<'a>(history: &[HostBlock<'a>], positions: usize) -> Vec<HostBlock<'a>> {
+fn visible_prefix<'a, T>(history: &[HostBlock<'a, T>], positions: usize) -> Vec<HostBlock<'a, T>> {
     let mut visible = Vec::with_capacity(history.len());
     let mut left = positions;
     for block in history {
@@ -244,7 +256,10 @@ mod tests {
             let q_host = q.flatten_all()?.to_vec1::<f32>()?;
             let mut ours = Vec::new();
             for kv in 0..kv_heads {
-                let heads = layer.host_history(&table, total, |history| attend_one(&q_host, history, kv_heads, head_dim, kv, Spread::Serial))?;
+                let heads = layer.host_history(&table, total, |history| match history {
+                    HostHistory::F32(history) => attend_one(&q_host, &history, kv_heads, head_dim, kv, Spread::Serial),
+                    HostHistory::F16(_) => unreachable!("an f32 pool"),
+                })?;
                 ours.extend(heads.expect("f32 blocks on a CPU"));
             }
             let diff = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

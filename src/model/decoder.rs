@@ -164,9 +164,15 @@ impl Model {
         all
     }
 
-    /// Bytes one more token adds to a sequence's cache on this rank. Linear-attention layers
-    /// add none: their state has a fixed size per sequence ([`Self::recurrent_state_bytes`]).
-    pub fn kv_bytes_per_token(&self) -> usize {
+    /// The dtype of activations, and of the KV cache unless `--kv-cache-dtype` says otherwise.
+    pub fn compute_dtype(&self) -> DType {
+        self.embed.compute_dtype()
+    }
+
+    /// Bytes one more token adds to a sequence's cache on this rank, whose elements are
+    /// `kv_dtype` (None: the compute dtype). Linear-attention layers add none: their state has
+    /// a fixed size per sequence ([`Self::recurrent_state_bytes`]).
+    pub fn kv_bytes_per_token(&self, kv_dtype: Option<DType>) -> usize {
         let elements: usize = self
             .layers
             .iter()
@@ -175,7 +181,7 @@ impl Model {
                 TokenMixer::Linear(_) => 0,
             })
             .sum();
-        elements * self.embed.compute_dtype().size_in_bytes()
+        elements * kv_dtype.unwrap_or(self.compute_dtype()).size_in_bytes()
     }
 
     /// Bytes of one sequence's linear-attention state on this rank (conv history and memory of

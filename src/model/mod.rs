@@ -172,6 +172,22 @@ pub fn parse_matmul_precision(text: &str, dtype: Option<DType>, quant: QuantMode
     }
 }
 
+/// The KV cache's element type `--kv-cache-dtype` asks for: None (`auto`, the default) keeps
+/// the compute dtype; `f32`, or `f16` on a CPU (half the bytes a position, lossy: keys and
+/// values rounded to nearest on writing, read back exactly widened to f32).
+pub fn parse_kv_cache_dtype(text: &str, device: &Device) -> std::result::Result<Option<DType>, String> {
+    let dtype = match text {
+        "" | "auto" => return Ok(None),
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        other => return Err(format!("unknown KV cache dtype \"{other}\" (expected auto, f32 or f16)")),
+    };
+    if !device.is_cpu() {
+        return Err(format!("--kv-cache-dtype {text} is for CPU ranks; a GPU's cache holds the compute dtype (auto)"));
+    }
+    Ok(Some(dtype))
+}
+
 /// A loaded shard: every family is the one decoder of `decoder.rs` with per-layer mixers
 /// (attention or Gated DeltaNet) and feed-forwards (dense or MoE).
 pub use decoder::Model;

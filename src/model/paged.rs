@@ -11,6 +11,8 @@
 //!
 //! A decode step on a CPU (one new token of a sequence, f32) skips that copy: attention reads
 //! the blocks where they are ([`LayerBlocks::host_history`], `tpserve_kernels::attention`).
+//! There the blocks may hold f16 instead of the compute dtype (`--kv-cache-dtype f16`): keys
+//! and values are rounded to f16 as they are written, and the kernel widens them as it reads.
 //!
 //! A block's storage is allocated the first time it is written and kept for reuse, so a rank
 //! never holds more than the pool's `num_blocks` blocks, however the ids are reused.
@@ -25,13 +27,21 @@ pub const DEFAULT_BLOCK_SIZE: usize = 16;
 pub struct BlockPool {
     block_size: usize,
     num_blocks: usize,
+    /// the blocks' element type (None: the dtype of the keys written, the compute dtype)
+    kv_dtype: Option<DType>,
     /// indexed by layer; empty for layers without attention
     layers: Vec<LayerBlocks>,
 }
 
 impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self { block_size: block_size.max(1), num_blocks, layers: Vec::new() }
+        Self { block_size: block_size.max(1), num_blocks, kv_dtype: None, layers: Vec::new() }
+    }
+
+    /// Blocks holding `kv_dtype` (None: the compute dtype).
+    pub fn with_kv_dtype(mut self, kv_dtype: Option<DType>) -> Self {
+        self.kv_dtype = kv_dtype;
+        self
     }
 
     pub fn block_size(&self) -> usize {
@@ -59,8 +69,8 @@ impl BlockPool {
 
     pub fn layer_mut(&mut self, layer: usize) -> &mut LayerBlocks {
         if self.layers.len() <= layer {
-            let block_size = self.block_size;
-            self.layers.resize_with(layer + 1, || LayerBlocks { block_size, blocks: Vec::new() });
+            let (block_size, kv_dtype) = (self.block_size, self.kv_dtype);
+            self.layers.resize_with(layer + 1, || LayerBlocks { block_size, kv_dtype, blocks: Vec::new() });
         }
         &mut self.layers[layer]
     }
@@ -69,6 +79,7 @@ impl BlockPool {
 /// One attention layer's blocks, by block id.
 pub struct LayerBlocks {
     block_size: usize,
+    kv_dtype: Option<DType>,
     /// (keys [kv_heads, head_dim, block_size], values [kv_heads, block_size, head_dim])
     blocks: Vec<Option<(Tensor, Tensor)>>,
 }
@@ -79,7 +90,8 @@ impl LayerBlocks {
     /// [kv_heads, head_dim, start + n], and values [kv_heads, start + n, head_dim], contiguous.
     pub fn append(&mut self, table: &[u32], start: usize, keys: &Tensor, values: &Tensor) -> Result<(Tensor, Tensor)> {
         self.write(table, start, keys, values)?;
-        self.gather(table, start + keys.dim(1)?)
+        let (keys_t, values) = self.gather(table, start + keys.dim(1)?)?;
+        Ok((keys_t.to_dtype(keys.dtype())?, values.to_dtype(keys.dtype())?))
     }
 
     /// Writes the keys and values [kv_heads, n, head_dim] of positions `start .. start + n` of
@@ -90,6 +102,8 @@ impl LayerBlocks {
         if table.len() * self.block_size < total {
             bail!("the block table covers {} positions, not {total}", table.len() * self.block_size);
         }
+        let dtype = self.kv_dtype.unwrap_or(keys.dtype());
+        let (keys, values) = (&keys.to_dtype(dtype)?, &values.to_dtype(dtype)?);
         let keys_t = keys.transpose(1, 2)?; // [kv, hd, n]
         let mut written = 0;
         while written < n {
@@ -105,34 +119,51 @@ impl LayerBlocks {
     }
 
     /// Calls `f` with the history of positions 0..total through `table`, read in place from a
-    /// CPU's f32 blocks: one [`HostBlock`] per block, in position order. None when the blocks
-    /// are on another device or in another dtype.
-    pub fn host_history<R>(&self, table: &[u32], total: usize, f: impl FnOnce(&[HostBlock<'_>]) -> R) -> Result<Option<R>> {
+    /// CPU's f32 or f16 blocks: one [`HostBlock`] per block, in position order. None when the
+    /// blocks are on another device or in another dtype.
+    pub fn host_history<R>(&self, table: &[u32], total: usize, f: impl FnOnce(HostHistory<'_>) -> R) -> Result<Option<R>> {
         let used = total.div_ceil(self.block_size);
         if table.len() < used {
             bail!("the block table covers {} positions, not {total}", table.len() * self.block_size);
         }
         let mut guards = Vec::with_capacity(used);
+        let mut dtype = None;
         for &id in &table[..used] {
             let Some((k, v)) = self.blocks.get(id as usize).and_then(Option::as_ref) else {
                 bail!("block {id} is in a block table but was never written");
             };
-            if k.dtype() != DType::F32 || !k.device().is_cpu() {
+            if !matches!(k.dtype(), DType::F32 | DType::F16) || !k.device().is_cpu() || *dtype.get_or_insert(k.dtype()) != k.dtype() {
                 return Ok(None);
             }
             guards.push((k.storage_and_layout(), v.storage_and_layout()));
         }
-        let mut history = Vec::with_capacity(used);
-        for (i, ((k, k_layout), (v, v_layout))) in guards.iter().enumerate() {
+        let mut cpu = Vec::with_capacity(used);
+        for ((k, k_layout), (v, v_layout)) in &guards {
             let (Storage::Cpu(k), Storage::Cpu(v)) = (&**k, &**v) else { return Ok(None) };
+            cpu.push(((k, *k_layout), (v, *v_layout)));
+        }
+        Ok(Some(match dtype {
+            Some(DType::F16) => f(HostHistory::F16(self.host_blocks(&cpu, total)?)),
+            _ => f(HostHistory::F32(self.host_blocks(&cpu, total)?)),
+        }))
+    }
+
+    /// The blocks of [`Self::host_history`] as slices of `T`, the blocks' element type.
+    fn host_blocks<'a, T: candle_core::WithDType>(
+        &self,
+        storage: &[((&'a candle_core::CpuStorage, &candle_core::Layout), (&'a candle_core::CpuStorage, &candle_core::Layout))],
+        total: usize,
+    ) -> Result<Vec<HostBlock<'a, T>>> {
+        let mut history = Vec::with_capacity(storage.len());
+        for (i, ((k, k_layout), (v, v_layout))) in storage.iter().enumerate() {
             // Blocks are allocated whole and contiguous (`block`): their elements are the
             // storage's from the layout's offset.
-            let k = &k.as_slice::<f32>()?[k_layout.start_offset()..k_layout.start_offset() + k_layout.shape().elem_count()];
-            let v = &v.as_slice::<f32>()?[v_layout.start_offset()..v_layout.start_offset() + v_layout.shape().elem_count()];
-            let positions = if i + 1 == used { total - i * self.block_size } else { self.block_size };
+            let k = &k.as_slice::<T>()?[k_layout.start_offset()..k_layout.start_offset() + k_layout.shape().elem_count()];
+            let v = &v.as_slice::<T>()?[v_layout.start_offset()..v_layout.start_offset() + v_layout.shape().elem_count()];
+            let positions = if i + 1 == storage.len() { total - i * self.block_size } else { self.block_size };
             history.push(HostBlock { keys_t: k, values: v, positions });
         }
-        Ok(Some(f(&history)))
+        Ok(history)
     }
 
     /// The history of positions 0..total through `table`, in one copy.
@@ -165,7 +196,7 @@ impl LayerBlocks {
         }
         if self.blocks[id].is_none() {
             let (heads, _, head_dim) = like.dims3()?;
-            let (dtype, device) = (like.dtype(), like.device());
+            let (dtype, device) = (self.kv_dtype.unwrap_or(like.dtype()), like.device());
             let keys = Tensor::zeros((heads, head_dim, self.block_size), dtype, device)?;
             let values = Tensor::zeros((heads, self.block_size, head_dim), dtype, device)?;
             self.blocks[id] = Some((keys, values));
@@ -179,6 +210,12 @@ impl LayerBlocks {
 
 /// One cache block of a sequence's history, read in place on a CPU.
 pub use tpserve_kernels::attention::HostBlock;
+
+/// A sequence's history read in place on a CPU, in the blocks' element type.
+pub enum HostHistory<'a> {
+    F32(Vec<HostBlock<'a, f32>>),
+    F16(Vec<HostBlock<'a, half::f16>>),
+}
 
 /// The block table `first, first + 1, ...` for `positions` positions: for drivers that run
 /// sequences without a coordinator (eval-shard, the offline parity runs), which give each
@@ -213,6 +250,32 @@ mod tests {
         assert_eq!(diff(&keys_t, &keys.transpose(1, 2)?.contiguous()?)?, 0.0);
         assert_eq!(diff(&read_values, &values)?, 0.0);
         assert_eq!(read_values.dtype(), DType::F32);
+        Ok(())
+    }
+
+    /// An f16 pool holds the written keys and values rounded to f16: read in place as f16
+    /// blocks (the positions in order), and gathered back in the dtype written.
+    #[test]
+    fn an_f16_pool_rounds_on_writing() -> Result<()> {
+        let device = Device::Cpu;
+        let mut pool = BlockPool::new(8, 4).with_kv_dtype(Some(DType::F16));
+        let table = [5u32, 1];
+        let (keys, values) = (Tensor::randn(0f32, 1.0, (2, 6, 3), &device)?, Tensor::randn(0f32, 1.0, (2, 6, 3), &device)?);
+        let layer = pool.layer_mut(0);
+        let (keys_t, read_values) = layer.append(&table, 0, &keys, &values)?;
+        let rounded = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(DType::F16)?.to_dtype(DType::F32)?) };
+        assert_eq!(read_values.dtype(), DType::F32);
+        assert_eq!(read_values.flatten_all()?.to_vec1::<f32>()?, rounded(&values)?.flatten_all()?.to_vec1::<f32>()?);
+        assert_eq!(keys_t.flatten_all()?.to_vec1::<f32>()?, rounded(&keys.transpose(1, 2)?.contiguous()?)?.flatten_all()?.to_vec1::<f32>()?);
+        let (positions, first) = layer
+            .host_history(&table, 6, |history| match history {
+                HostHistory::F16(blocks) => (blocks.iter().map(|b| b.positions).collect::<Vec<_>>(), blocks[0].values[0].to_f32()),
+                HostHistory::F32(_) => (Vec::new(), f32::NAN),
+            })?
+            .expect("f16 blocks on a CPU");
+        // two blocks of 4 and 2 positions; the first value of position 0, KV head 0
+        assert_eq!(positions, [4, 2]);
+        assert_eq!(first, rounded(&values.get(0)?.get(0)?)?.to_vec1::<f32>()?[0]);
         Ok(())
     }
 

@@ -4,7 +4,7 @@
 //! the RPC layer.
 
 use anyhow::{Context, Result};
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::model::paged::{BlockPool, DEFAULT_BLOCK_SIZE, contiguous_table};
@@ -34,7 +34,8 @@ pub struct Timing {
     pub decode_time: std::time::Duration,
 }
 
-/// [`greedy`], timing the prefill and the decode steps (for the benchmark).
+/// [`greedy`] with the KV cache in `kv_dtype` (None: the compute dtype), timing the prefill and
+/// the decode steps (for the benchmark).
 pub fn greedy_timed(
     model: &Model,
     seq_id: u64,
@@ -42,9 +43,10 @@ pub fn greedy_timed(
     max_new: usize,
     chunk: usize,
     suppressed: &[u32],
+    kv_dtype: Option<DType>,
 ) -> Result<TimedResult> {
     let mut timing = Timing::default();
-    let result = run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, &mut timing)?;
+    let result = run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, kv_dtype, &mut timing)?;
     Ok(TimedResult { result, timing })
 }
 
@@ -59,9 +61,10 @@ pub fn greedy(
     chunk: usize,
     suppressed: &[u32],
 ) -> Result<Option<PromptResult>> {
-    run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, &mut Timing::default())
+    run_greedy(model, seq_id, prompt, max_new, chunk, suppressed, None, &mut Timing::default())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_greedy(
     model: &Model,
     seq_id: u64,
@@ -69,11 +72,12 @@ fn run_greedy(
     max_new: usize,
     chunk: usize,
     suppressed: &[u32],
+    kv_dtype: Option<DType>,
     timing: &mut Timing,
 ) -> Result<Option<PromptResult>> {
     // One sequence owns the whole pool.
     let table = contiguous_table(0, prompt.len() + max_new, DEFAULT_BLOCK_SIZE);
-    let mut store = CacheStore::new(BlockPool::new(table.len(), DEFAULT_BLOCK_SIZE));
+    let mut store = CacheStore::new(BlockPool::new(table.len(), DEFAULT_BLOCK_SIZE).with_kv_dtype(kv_dtype));
     let chunk = if chunk == 0 { prompt.len() } else { chunk };
     let mut logits = None;
     let mut start = 0;
@@ -142,9 +146,20 @@ fn broadcast_token(model: &Model, token: Option<u32>) -> Result<u32> {
 /// rank only. Comparing two loads of a model on the same forced tokens measures their logit
 /// difference and top-1 agreement at every step, without one divergence derailing the rest.
 pub fn teacher_forced(model: &Model, seq_id: u64, prompt: &[u32], continuation: &[u32]) -> Result<Option<Vec<Vec<f32>>>> {
+    teacher_forced_with(model, seq_id, prompt, continuation, None)
+}
+
+/// [`teacher_forced`] with the KV cache in `kv_dtype` (None: the compute dtype).
+pub fn teacher_forced_with(
+    model: &Model,
+    seq_id: u64,
+    prompt: &[u32],
+    continuation: &[u32],
+    kv_dtype: Option<DType>,
+) -> Result<Option<Vec<Vec<f32>>>> {
     // One sequence owns the whole pool.
     let table = contiguous_table(0, prompt.len() + continuation.len(), DEFAULT_BLOCK_SIZE);
-    let mut store = CacheStore::new(BlockPool::new(table.len(), DEFAULT_BLOCK_SIZE));
+    let mut store = CacheStore::new(BlockPool::new(table.len(), DEFAULT_BLOCK_SIZE).with_kv_dtype(kv_dtype));
     let mut rows = Vec::with_capacity(continuation.len() + 1);
     let mut position = 0;
     let mut feed = |tokens: &[u32]| -> Result<Option<Vec<f32>>> {

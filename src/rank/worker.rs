@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use tokio::sync::oneshot;
 
 use crate::comm::Collective;
@@ -280,6 +280,7 @@ impl Worker {
         let (dtype, quant) = crate::model::parse_load_dtype(&request.dtype, &request.quantize, &self.config.device, Path::new(&request.model_path))
             .map_err(Error::invalid)?;
         let products = crate::model::parse_matmul_precision(&request.matmul_precision, dtype, quant, &self.config.device).map_err(Error::invalid)?;
+        let kv_dtype = crate::model::parse_kv_cache_dtype(&request.kv_cache_dtype, &self.config.device).map_err(Error::invalid)?;
         let options = LoadOptions { dtype, device: self.config.device.clone(), products };
         let path = PathBuf::from(&request.model_path);
         let started = Instant::now();
@@ -289,7 +290,7 @@ impl Worker {
             0 => DEFAULT_BLOCK_SIZE,
             size => size as usize,
         };
-        let mut info = shard_info(&model, block_size);
+        let mut info = shard_info(&model, block_size, kv_dtype);
         // Quantized weights: the format holding most of the matrices' bytes (`q4_1`), which
         // ModelInfo shows; the log has every format's share.
         if quant != crate::model::QuantMode::Off {
@@ -319,12 +320,13 @@ impl Worker {
             weight_bytes = info.weight_bytes,
             kernels = crate::model::quant::kernels::Path::selected().name(),
             kv_blocks = info.kv_blocks,
+            kv_cache_dtype = %info.kv_cache_dtype,
             block_size,
             elapsed = ?started.elapsed(),
             "shard loaded"
         );
         // Replacing a model drops its old caches with it.
-        let caches = CacheStore::new(BlockPool::new(info.kv_blocks as usize, block_size));
+        let caches = CacheStore::new(BlockPool::new(info.kv_blocks as usize, block_size).with_kv_dtype(kv_dtype));
         self.models.insert(request.model_id, Shard { model, caches, sequences: HashMap::new() });
         self.publish_models();
         Ok(info)
@@ -562,9 +564,9 @@ fn step_error(err: anyhow::Error) -> Error {
     }
 }
 
-fn shard_info(model: &Model, block_size: usize) -> pb::ShardInfo {
+fn shard_info(model: &Model, block_size: usize, kv_dtype: Option<DType>) -> pb::ShardInfo {
     let config = model.config();
-    let per_token = model.kv_bytes_per_token() as u64;
+    let per_token = model.kv_bytes_per_token(kv_dtype) as u64;
     pb::ShardInfo {
         model_type: config.model_type.clone(),
         vocab_size: config.vocab_size as u32,
@@ -578,6 +580,7 @@ fn shard_info(model: &Model, block_size: usize) -> pb::ShardInfo {
         kv_block_bytes: per_token * block_size as u64,
         recurrent_state_bytes: model.recurrent_state_bytes() as u64,
         formats: String::new(),
+        kv_cache_dtype: format!("{:?}", kv_dtype.unwrap_or(model.compute_dtype())).to_lowercase(),
     }
 }
 

@@ -23,12 +23,75 @@ use rayon::prelude::*;
 use crate::activation::exp_in_place;
 use crate::cpu_matmul::Isa;
 
+/// An element type of the cache's blocks: f32, or f16 (`--kv-cache-dtype f16`: half the bytes
+/// of a position, rounded to nearest on writing). Read widened to f32, exactly; the arithmetic
+/// is f32 either way.
+pub trait KvElement: Copy + Send + Sync + 'static {
+    fn widen(self) -> f32;
+
+    /// `N` consecutive elements widened; `F16C` in the builds for CPUs with F16C (the AVX2 and
+    /// AVX-512 phases), where f16 takes one `vcvtph2ps` per eight.
+    #[inline(always)]
+    fn widen_run<const F16C: bool, const N: usize>(run: &[Self; N]) -> [f32; N] {
+        std::array::from_fn(|l| run[l].widen())
+    }
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl KvElement for half::f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f16_to_f32(self.to_bits())
+    }
+
+    #[inline(always)]
+    fn widen_run<const F16C: bool, const N: usize>(run: &[Self; N]) -> [f32; N] {
+        #[cfg(target_arch = "x86_64")]
+        if F16C && N.is_multiple_of(8) {
+            use std::arch::x86_64::{_mm_loadu_si128, _mm256_cvtph_ps, _mm256_storeu_ps};
+            let mut out = [0f32; N];
+            for e in (0..N).step_by(8) {
+                // SAFETY: F16C is set only in the phases compiled with F16C enabled, which run
+                // only where attend_one_with found the CPU has it; the loads read eight f16 of
+                // `run` (e + 8 <= N) and the stores write eight f32 of `out`.
+                unsafe {
+                    let half = _mm_loadu_si128(run.as_ptr().add(e).cast());
+                    _mm256_storeu_ps(out.as_mut_ptr().add(e), _mm256_cvtph_ps(half));
+                }
+            }
+            return out;
+        }
+        std::array::from_fn(|l| run[l].widen())
+    }
+}
+
+/// An f16's bits widened to the f32 of the same value, in integer and f32 operations that the
+/// compiler vectorizes (`half`'s conversion picks its instruction at run time, per element).
+/// The exponent and mantissa move to f32's places, and a multiply by 2^112 moves the exponent
+/// bias from 15 to 127, which also turns an f16 subnormal into the f32 normal of its value;
+/// infinities and NaNs take f32's all-ones exponent instead.
+#[inline(always)]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    const TWO_POW_112: u32 = (112 + 127) << 23;
+    let bits = bits as u32;
+    let magnitude = (bits & 0x7fff) << 13;
+    let finite = f32::from_bits(magnitude) * f32::from_bits(TWO_POW_112);
+    let value = if bits & 0x7c00 == 0x7c00 { f32::from_bits(magnitude | 0x7f80_0000) } else { finite };
+    f32::from_bits(value.to_bits() | (bits & 0x8000) << 16)
+}
+
 /// One cache block of a sequence's history.
-pub struct HostBlock<'a> {
+pub struct HostBlock<'a, T = f32> {
     /// [kv_heads, head_dim, block_size], row-major
-    pub keys_t: &'a [f32],
+    pub keys_t: &'a [T],
     /// [kv_heads, block_size, head_dim], row-major
-    pub values: &'a [f32],
+    pub values: &'a [T],
     /// how many of the block's positions belong to the history (all but in the last block)
     pub positions: usize,
 }
@@ -43,7 +106,7 @@ const HEADS_PER_PASS: usize = 4;
 /// `[q_heads * head_dim]` (query head h uses KV head `h / (q_heads / kv_heads)`); returns
 /// `[q_heads / kv_heads * head_dim]`, those heads' outputs in order. No mask: every position of
 /// the history is visible.
-pub fn attend_one(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, spread: Spread) -> Vec<f32> {
+pub fn attend_one<T: KvElement>(q: &[f32], history: &[HostBlock<'_, T>], kv_heads: usize, head_dim: usize, kv: usize, spread: Spread) -> Vec<f32> {
     attend_one_with(q, history, kv_heads, head_dim, kv, Isa::selected(), spread)
 }
 
@@ -57,13 +120,16 @@ pub enum Spread {
 }
 
 /// [`attend_one`] on a given path. Panics if the CPU does not have it.
-pub fn attend_one_with(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa, spread: Spread) -> Vec<f32> {
+pub fn attend_one_with<T: KvElement>(q: &[f32], history: &[HostBlock<'_, T>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa, spread: Spread) -> Vec<f32> {
     assert!(isa.available(), "this CPU has no {isa:?} path");
     assert!(head_dim > 0 && kv < kv_heads && q.len().is_multiple_of(head_dim * kv_heads), "q is not [q_heads * {head_dim}] for {kv_heads} KV heads");
+    // The SIMD phases are built with F16C too (for f16 caches); every CPU with AVX2 has it.
+    #[cfg(target_arch = "x86_64")]
+    let isa = if isa != Isa::Portable && !std::is_x86_feature_detected!("f16c") { Isa::Portable } else { isa };
     attend(q, history, kv_heads, head_dim, kv, isa, spread)
 }
 
-/// Runs one phase of [`attend`] (`pass_scores`, `softmax` or `pass_values`) in its build for
+/// Runs one phase of [`attend`] (`pass_scores` or `pass_values`) in its build for
 /// `isa`, which [`attend_one_with`] asserted the CPU has.
 macro_rules! dispatch {
     ($isa:expr, $phase:ident($($arg:expr),* $(,)?)) => {
@@ -73,7 +139,7 @@ macro_rules! dispatch {
             Isa::Avx2 => unsafe { x86::avx2::$phase($($arg),*) },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { x86::avx512::$phase($($arg),*) },
-            _ => $phase($($arg),*),
+            _ => $phase::<_, false>($($arg),*),
         }
     };
 }
@@ -84,22 +150,22 @@ mod x86 {
     macro_rules! phases {
         ($isa:ident, $features:literal) => {
             pub mod $isa {
-                use crate::attention::{HostBlock, Isa};
+                use crate::attention::{HostBlock, Isa, KvElement};
 
                 /// # Safety
                 /// The CPU has the features enabled here.
                 #[target_feature(enable = $features)]
                 #[allow(clippy::too_many_arguments)]
-                pub unsafe fn pass_scores(
+                pub unsafe fn pass_scores<T: KvElement>(
                     group_q: &[f32],
-                    blocks: &[HostBlock<'_>],
+                    blocks: &[HostBlock<'_, T>],
                     positions: usize,
                     kv_heads: usize,
                     head_dim: usize,
                     kv: usize,
                     values_early: bool,
                 ) -> Vec<f32> {
-                    crate::attention::pass_scores(group_q, blocks, positions, kv_heads, head_dim, kv, values_early)
+                    crate::attention::pass_scores::<T, true>(group_q, blocks, positions, kv_heads, head_dim, kv, values_early)
                 }
 
                 /// # Safety
@@ -113,24 +179,24 @@ mod x86 {
                 /// The CPU has the features enabled here.
                 #[target_feature(enable = $features)]
                 #[allow(clippy::too_many_arguments)]
-                pub unsafe fn pass_values(
+                pub unsafe fn pass_values<T: KvElement>(
                     probs: &[f32],
                     total: usize,
                     run: std::ops::Range<usize>,
-                    blocks: &[HostBlock<'_>],
+                    blocks: &[HostBlock<'_, T>],
                     kv_heads: usize,
                     head_dim: usize,
                     kv: usize,
                     isa: Isa,
                 ) -> Vec<f32> {
-                    crate::attention::pass_values(probs, total, run, blocks, kv_heads, head_dim, kv, isa)
+                    crate::attention::pass_values::<T, true>(probs, total, run, blocks, kv_heads, head_dim, kv, isa)
                 }
             }
         };
     }
 
-    phases!(avx2, "avx2,fma");
-    phases!(avx512, "avx512f");
+    phases!(avx2, "avx2,fma,f16c");
+    phases!(avx512, "avx512f,f16c");
 }
 
 /// Positions each query head of a KV head reads before the next head reads the same ones: their
@@ -148,7 +214,7 @@ struct Pass {
 }
 
 /// The history's passes, in order. They depend on the blocks alone, never on the threads.
-fn passes(history: &[HostBlock<'_>]) -> Vec<Pass> {
+fn passes<T>(history: &[HostBlock<'_, T>]) -> Vec<Pass> {
     let mut passes = Vec::new();
     let (mut first, mut at) = (0, 0);
     while first < history.len() {
@@ -180,7 +246,7 @@ fn in_passes<T: Send>(passes: &[Pass], spread: Spread, f: impl Fn(&Pass) -> T + 
 /// whole group); each pass's weighted values are summed from zero and the passes' sums added in
 /// order. Every path runs the same arithmetic in the same order, however the passes are spread
 /// over threads.
-fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa, spread: Spread) -> Vec<f32> {
+fn attend<T: KvElement>(q: &[f32], history: &[HostBlock<'_, T>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa, spread: Spread) -> Vec<f32> {
     let q_heads = q.len() / head_dim;
     let group = q_heads / kv_heads;
     let total: usize = history.iter().map(|b| b.positions).sum();
@@ -203,7 +269,14 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
     }
     let scale = 1.0 / (head_dim as f32).sqrt();
     for probs in probs.chunks_exact_mut(total) {
-        dispatch!(isa, softmax(probs, scale, isa));
+        match isa {
+            // SAFETY (both arms): the CPU has the path, asserted by attend_one_with.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { x86::avx2::softmax(probs, scale, isa) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { x86::avx512::softmax(probs, scale, isa) },
+            _ => softmax(probs, scale, isa),
+        }
     }
     let sums = in_passes(&passes, spread, |pass| {
         let blocks = &history[pass.blocks.clone()];
@@ -224,9 +297,9 @@ fn attend(q: &[f32], history: &[HostBlock<'_>], kv_heads: usize, head_dim: usize
 /// memory, four chunks at a time, asking for those KEY_CHUNKS_AHEAD chunks further on meanwhile;
 /// the others find them in L2.
 #[inline(always)]
-fn pass_scores(
+fn pass_scores<T: KvElement, const F16C: bool>(
     group_q: &[f32],
-    blocks: &[HostBlock<'_>],
+    blocks: &[HostBlock<'_, T>],
     positions: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -240,14 +313,14 @@ fn pass_scores(
     let mut scores = vec![0f32; group_q.len() / head_dim * positions];
     for (g, (q, scores)) in group_q.chunks_exact(head_dim).zip(scores.chunks_exact_mut(positions)).enumerate() {
         if g > 0 {
-            whole_scores(q, &chunks.whole, scores);
+            whole_scores::<T, F16C>(q, &chunks.whole, scores);
         } else {
             for (j, quad) in chunks.whole.chunks(4).enumerate() {
                 let next = 4 * j + KEY_CHUNKS_AHEAD;
                 for chunk in chunks.whole.get(next..(next + 4).min(chunks.whole.len())).unwrap_or(&[]) {
                     prefetch_chunk(chunk, head_dim, values_early);
                 }
-                whole_scores(q, quad, scores);
+                whole_scores::<T, F16C>(q, quad, scores);
             }
         }
         partial_scores(q, &chunks.partial, scores);
@@ -276,11 +349,11 @@ fn softmax(probs: &mut [f32], scale: f32, isa: Isa) {
 /// group (probabilities `probs`, [group, total]): [group, head_dim], summed from zero.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn pass_values(
+fn pass_values<T: KvElement, const F16C: bool>(
     probs: &[f32],
     total: usize,
     run: std::ops::Range<usize>,
-    blocks: &[HostBlock<'_>],
+    blocks: &[HostBlock<'_, T>],
     kv_heads: usize,
     head_dim: usize,
     kv: usize,
@@ -292,7 +365,7 @@ fn pass_values(
     let mut out = vec![0f32; probs.len() / total * head_dim];
     for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
         let probs = &probs[heads * HEADS_PER_PASS * total..];
-        add_weighted_values(probs, total, run.clone(), blocks, kv_heads, head_dim, kv, out, isa);
+        add_weighted_values::<T, F16C>(probs, total, run.clone(), blocks, kv_heads, head_dim, kv, out, isa);
     }
     out
 }
@@ -322,12 +395,12 @@ const VALUE_BLOCKS_AHEAD: usize = 4;
 /// Asks the CPU to bring every cache line of `run` into L1, or only into L2 with `L2` (the
 /// first element of each 64 bytes and the last: a run that straddles lines gets both).
 #[inline(always)]
-fn prefetch_run<const L2: bool>(run: &[f32]) {
+fn prefetch_run<const L2: bool, T>(run: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
-        const F32_PER_LINE: usize = 64 / std::mem::size_of::<f32>();
-        for at in (0..run.len()).step_by(F32_PER_LINE).chain(run.len().checked_sub(1)) {
+        let per_line = 64 / std::mem::size_of::<T>().max(1);
+        for at in (0..run.len()).step_by(per_line).chain(run.len().checked_sub(1)) {
             let line = run[at..].as_ptr().cast();
             // SAFETY: a prefetch only hints at an address (inside `run` here); it never faults
             // and changes no memory. SSE is part of x86-64.
@@ -351,23 +424,23 @@ fn prefetch_run<const L2: bool>(run: &[f32]) {
 /// rows waited on them. A longer one has them come into L2 only, where the value pass's own
 /// requests, a few blocks ahead, then find them.
 #[inline(always)]
-fn prefetch_chunk(chunk: &ScoreChunk<'_>, head_dim: usize, values_early: bool) {
+fn prefetch_chunk<T>(chunk: &ScoreChunk<'_, T>, head_dim: usize, values_early: bool) {
     for d in 0..head_dim {
         let row = d * chunk.block_size;
-        prefetch_run::<false>(&chunk.keys_t[row..row + SCORE_CHUNK]);
+        prefetch_run::<false, T>(&chunk.keys_t[row..row + SCORE_CHUNK]);
     }
     if values_early {
-        prefetch_run::<false>(chunk.values);
+        prefetch_run::<false, T>(chunk.values);
     } else {
-        prefetch_run::<true>(chunk.values);
+        prefetch_run::<true, T>(chunk.values);
     }
 }
 
 /// Asks for KV head `kv`'s value rows of `block`.
 #[inline(always)]
-fn prefetch_values(block: &HostBlock<'_>, kv_heads: usize, head_dim: usize, kv: usize) {
+fn prefetch_values<T>(block: &HostBlock<'_, T>, kv_heads: usize, head_dim: usize, kv: usize) {
     let span = block.values.len() / kv_heads.max(1);
-    prefetch_run::<false>(&block.values[kv * span..kv * span + (block.positions * head_dim).min(span)]);
+    prefetch_run::<false, T>(&block.values[kv * span..kv * span + (block.positions * head_dim).min(span)]);
 }
 
 /// `values` folded into eight lanes, value i into lane i % 8: eight independent chains (vector
@@ -388,11 +461,11 @@ fn lanes(values: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> [f32; 8] {
 }
 
 /// Up to `SCORE_CHUNK` consecutive positions of one block, for one KV head.
-struct ScoreChunk<'a> {
+struct ScoreChunk<'a, T> {
     /// the head's `[head_dim, block_size]` keys from the chunk's first position on
-    keys_t: &'a [f32],
+    keys_t: &'a [T],
     /// the head's value rows of the chunk's positions, `[len, head_dim]`
-    values: &'a [f32],
+    values: &'a [T],
     block_size: usize,
     /// the chunk's first position in the history
     at: usize,
@@ -402,16 +475,16 @@ struct ScoreChunk<'a> {
 
 /// The history's positions as chunks, block by block, made once for every query head of a KV
 /// head.
-struct ScoreChunks<'a> {
+struct ScoreChunks<'a, T> {
     /// chunks with `SCORE_CHUNK` positions stored from the first on (a whole chunk of the
     /// block's storage; past `len` they hold values whose scores are dropped)
-    whole: Vec<ScoreChunk<'a>>,
+    whole: Vec<ScoreChunk<'a, T>>,
     /// the others (blocks whose size is not a multiple of `SCORE_CHUNK`)
-    partial: Vec<ScoreChunk<'a>>,
+    partial: Vec<ScoreChunk<'a, T>>,
 }
 
 #[inline(always)]
-fn score_chunks<'a>(history: &[HostBlock<'a>], kv_heads: usize, head_dim: usize, kv: usize) -> ScoreChunks<'a> {
+fn score_chunks<'a, T>(history: &[HostBlock<'a, T>], kv_heads: usize, head_dim: usize, kv: usize) -> ScoreChunks<'a, T> {
     let mut chunks = ScoreChunks { whole: Vec::new(), partial: Vec::new() };
     let mut at = 0;
     for block in history {
@@ -432,16 +505,16 @@ fn score_chunks<'a>(history: &[HostBlock<'a>], kv_heads: usize, head_dim: usize,
 /// independent vector sums on AVX2, enough to hide the latency of each addition), the rest one
 /// by one.
 #[inline(always)]
-fn whole_scores(q: &[f32], whole: &[ScoreChunk<'_>], scores: &mut [f32]) {
+fn whole_scores<T: KvElement, const F16C: bool>(q: &[f32], whole: &[ScoreChunk<'_, T>], scores: &mut [f32]) {
     let mut quads = whole.chunks_exact(4);
     for quad in quads.by_ref() {
-        let acc = chunk_scores::<4>(q, [&quad[0], &quad[1], &quad[2], &quad[3]]);
+        let acc = chunk_scores::<4, T, F16C>(q, [&quad[0], &quad[1], &quad[2], &quad[3]]);
         for (acc, chunk) in acc.iter().zip(quad) {
             scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
         }
     }
     for chunk in quads.remainder() {
-        let [acc] = chunk_scores::<1>(q, [chunk]);
+        let [acc] = chunk_scores::<1, T, F16C>(q, [chunk]);
         scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
     }
 }
@@ -449,10 +522,10 @@ fn whole_scores(q: &[f32], whole: &[ScoreChunk<'_>], scores: &mut [f32]) {
 /// The `SCORE_CHUNK` scores of each of `C` whole chunks: `acc[c][l] = sum_d q[d] * k[d][l]`,
 /// in order of `d`.
 #[inline(always)]
-fn chunk_scores<const C: usize>(q: &[f32], chunks: [&ScoreChunk<'_>; C]) -> [[f32; SCORE_CHUNK]; C] {
+fn chunk_scores<const C: usize, T: KvElement, const F16C: bool>(q: &[f32], chunks: [&ScoreChunk<'_, T>; C]) -> [[f32; SCORE_CHUNK]; C] {
     let head_dim = q.len();
     // Each chunk's rows, checked once: row d is `SCORE_CHUNK` elements from `d * block_size`.
-    let keys: [&[f32]; C] = chunks.map(|c| &c.keys_t[..(head_dim.max(1) - 1) * c.block_size + SCORE_CHUNK]);
+    let keys: [&[T]; C] = chunks.map(|c| &c.keys_t[..(head_dim.max(1) - 1) * c.block_size + SCORE_CHUNK]);
     let strides = chunks.map(|c| c.block_size);
     let mut at = [0usize; C];
     let mut acc = [[0f32; SCORE_CHUNK]; C];
@@ -460,7 +533,8 @@ fn chunk_scores<const C: usize>(q: &[f32], chunks: [&ScoreChunk<'_>; C]) -> [[f3
         for c in 0..C {
             // SAFETY: for d < head_dim, at[c] = d * block_size and at[c] + SCORE_CHUNK <=
             // (head_dim - 1) * block_size + SCORE_CHUNK = keys[c].len().
-            let k = unsafe { keys[c].get_unchecked(at[c]..at[c] + SCORE_CHUNK) };
+            let k: &[T; SCORE_CHUNK] = unsafe { keys[c].get_unchecked(at[c]..at[c] + SCORE_CHUNK) }.try_into().expect("SCORE_CHUNK elements");
+            let k = T::widen_run::<F16C, SCORE_CHUNK>(k);
             for l in 0..SCORE_CHUNK {
                 acc[c][l] += qd * k[l];
             }
@@ -472,12 +546,12 @@ fn chunk_scores<const C: usize>(q: &[f32], chunks: [&ScoreChunk<'_>; C]) -> [[f3
 
 /// `scores[t] = q . k_t` for the positions of the other chunks, one position at a time.
 #[inline(always)]
-fn partial_scores(q: &[f32], partial: &[ScoreChunk<'_>], scores: &mut [f32]) {
+fn partial_scores<T: KvElement>(q: &[f32], partial: &[ScoreChunk<'_, T>], scores: &mut [f32]) {
     for chunk in partial {
         for t in 0..chunk.len {
             let mut acc = 0f32;
             for (d, &qd) in q.iter().enumerate() {
-                acc += qd * chunk.keys_t[d * chunk.block_size + t];
+                acc += qd * chunk.keys_t[d * chunk.block_size + t].widen();
             }
             scores[chunk.at + t] = acc;
         }
@@ -490,11 +564,11 @@ fn partial_scores(q: &[f32], partial: &[ScoreChunk<'_>], scores: &mut [f32]) {
 /// `p_h = probs[h * stride..][run]`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn add_weighted_values(
+fn add_weighted_values<T: KvElement, const F16C: bool>(
     probs: &[f32],
     stride: usize,
     run: std::ops::Range<usize>,
-    history: &[HostBlock<'_>],
+    history: &[HostBlock<'_, T>],
     kv_heads: usize,
     head_dim: usize,
     kv: usize,
@@ -509,29 +583,29 @@ fn add_weighted_values(
     // about 1.1x most often, the AVX-512 step at 64-1,024 positions in `attention_decode`).
     let wide = isa == Isa::Avx512 && head_dim.is_multiple_of(64);
     match (out.len() / head_dim, wide) {
-        (1, _) => heads_values::<1, 64>([head(0)], history, kv_heads, head_dim, kv, out),
-        (2, false) => heads_values::<2, 32>([head(0), head(1)], history, kv_heads, head_dim, kv, out),
-        (2, true) => heads_values::<2, 64>([head(0), head(1)], history, kv_heads, head_dim, kv, out),
-        (3, false) => heads_values::<3, 16>([head(0), head(1), head(2)], history, kv_heads, head_dim, kv, out),
-        (3, true) => heads_values::<3, 64>([head(0), head(1), head(2)], history, kv_heads, head_dim, kv, out),
-        (_, false) => heads_values::<4, 16>([head(0), head(1), head(2), head(3)], history, kv_heads, head_dim, kv, out),
-        (_, true) => heads_values::<4, 64>([head(0), head(1), head(2), head(3)], history, kv_heads, head_dim, kv, out),
+        (1, _) => heads_values::<1, 64, T, F16C>([head(0)], history, kv_heads, head_dim, kv, out),
+        (2, false) => heads_values::<2, 32, T, F16C>([head(0), head(1)], history, kv_heads, head_dim, kv, out),
+        (2, true) => heads_values::<2, 64, T, F16C>([head(0), head(1)], history, kv_heads, head_dim, kv, out),
+        (3, false) => heads_values::<3, 16, T, F16C>([head(0), head(1), head(2)], history, kv_heads, head_dim, kv, out),
+        (3, true) => heads_values::<3, 64, T, F16C>([head(0), head(1), head(2)], history, kv_heads, head_dim, kv, out),
+        (_, false) => heads_values::<4, 16, T, F16C>([head(0), head(1), head(2), head(3)], history, kv_heads, head_dim, kv, out),
+        (_, true) => heads_values::<4, 64, T, F16C>([head(0), head(1), head(2), head(3)], history, kv_heads, head_dim, kv, out),
     }
 }
 
 /// [`add_weighted_values`] for `H` heads, `W` output elements of each at a time; every output
 /// element is the same sum in the same order whatever `H` and `W`.
 #[inline(always)]
-fn heads_values<const H: usize, const W: usize>(
+fn heads_values<const H: usize, const W: usize, T: KvElement, const F16C: bool>(
     probs: [&[f32]; H],
-    history: &[HostBlock<'_>],
+    history: &[HostBlock<'_, T>],
     kv_heads: usize,
     head_dim: usize,
     kv: usize,
     out: &mut [f32],
 ) {
     #[inline(always)]
-    fn rows<'a>(block: &HostBlock<'a>, kv_heads: usize, head_dim: usize, kv: usize) -> impl Iterator<Item = &'a [f32]> {
+    fn rows<'a, T>(block: &HostBlock<'a, T>, kv_heads: usize, head_dim: usize, kv: usize) -> impl Iterator<Item = &'a [T]> {
         let block_size = block.values.len() / (kv_heads * head_dim);
         let values = &block.values[kv * block_size * head_dim..(kv + 1) * block_size * head_dim];
         values.chunks_exact(head_dim).take(block.positions)
@@ -547,7 +621,8 @@ fn heads_values<const H: usize, const W: usize>(
                 prefetch_values(next, kv_heads, head_dim, kv);
             }
             for row in rows(block, kv_heads, head_dim, kv) {
-                let row: &[f32; W] = row[c..c + W].try_into().expect("W elements");
+                let row: &[T; W] = row[c..c + W].try_into().expect("W elements");
+                let row = T::widen_run::<F16C, W>(row);
                 for h in 0..H {
                     let p = probs[h][t];
                     for l in 0..W {
@@ -568,7 +643,7 @@ fn heads_values<const H: usize, const W: usize>(
             for row in rows(block, kv_heads, head_dim, kv) {
                 for h in 0..H {
                     for (o, &v) in out[h * head_dim + c..(h + 1) * head_dim].iter_mut().zip(&row[c..]) {
-                        *o += probs[h][t] * v;
+                        *o += probs[h][t] * v.widen();
                     }
                 }
                 t += 1;
@@ -581,6 +656,7 @@ fn heads_values<const H: usize, const W: usize>(
 mod tests {
     use super::*;
     use crate::test_values::values;
+    use half::f16;
 
     /// A history of `total` positions in blocks of `block_size` (the last one partly filled,
     /// its unused positions holding values that must not count).
@@ -592,6 +668,19 @@ mod tests {
                 (values(per_block, 100 + b as u64), values(per_block, 200 + b as u64), positions)
             })
             .collect()
+    }
+
+    fn to_f16(values: &[f32]) -> Vec<f16> {
+        values.iter().map(|&v| f16::from_f32(v)).collect()
+    }
+
+    /// The vectorizable widening equals `half`'s for every f16 (NaNs stay NaNs).
+    #[test]
+    fn f16_widening_is_exact_for_every_value() {
+        for bits in 0..=u16::MAX {
+            let (ours, theirs) = (f16_to_f32(bits), f16::from_bits(bits).to_f32());
+            assert!(ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()), "{bits:#06x}: {ours} vs {theirs}");
+        }
     }
 
     /// The definition in f64: softmax(q . k_t / sqrt(head_dim)) weighting the value rows.
@@ -646,6 +735,21 @@ mod tests {
                             if !ran.contains(&isa) {
                                 ran.push(isa);
                             }
+                        }
+                    }
+                    // f16 blocks: the bits of f32 blocks holding the same (rounded) values.
+                    let halves: Vec<(Vec<f16>, Vec<f16>, usize)> =
+                        storage.iter().map(|(k, v, positions)| (to_f16(k), to_f16(v), *positions)).collect();
+                    let widened: Vec<(Vec<f32>, Vec<f32>)> =
+                        halves.iter().map(|(k, v, _)| (k.iter().map(|h| h.to_f32()).collect(), v.iter().map(|h| h.to_f32()).collect())).collect();
+                    let half_blocks: Vec<HostBlock<'_, f16>> =
+                        halves.iter().map(|(k, v, positions)| HostBlock { keys_t: k, values: v, positions: *positions }).collect();
+                    let wide_blocks: Vec<HostBlock<'_>> =
+                        widened.iter().zip(&halves).map(|((k, v), (_, _, positions))| HostBlock { keys_t: k, values: v, positions: *positions }).collect();
+                    for kv in 0..kv_heads {
+                        for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
+                            let want = attend_one_with(&q, &wide_blocks, kv_heads, head_dim, kv, isa, Spread::Serial);
+                            assert_eq!(attend_one_with(&q, &half_blocks, kv_heads, head_dim, kv, isa, Spread::Serial), want, "f16 {isa:?}");
                         }
                     }
                 }
