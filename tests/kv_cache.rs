@@ -64,20 +64,9 @@ fn serve_holds_an_f16_cache() {
     let model = load(name);
     for (i, prompt) in common::expected(name).iter().enumerate() {
         let timed = offline::greedy_timed(&model, 1, &prompt.ids, 16, 0, &[EOS], Some(DType::F16)).unwrap();
-        let want = timed.result.unwrap().new_ids;
-        let (stdout, ok) = server.generate(&[
-            "--prompt-ids", &common::ids_arg(&prompt.ids), "--json", "--ignore-eos", "--temperature", "0", "--max-tokens", "16",
-        ]);
-        assert!(ok, "prompt {i}: {stdout}");
-        assert_eq!(common::parse_json_stream(&stdout).0, want, "prompt {i}");
+        assert_eq!(server.greedy(&prompt.ids, 16), timed.result.unwrap().new_ids, "prompt {i}");
     }
 
-    let output = common::tpserve()
-        .args(["serve", "--model"])
-        .arg(common::fixture(name))
-        .args(["--listen", "127.0.0.1:0", "--kv-cache-dtype", "fp8"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success() && stderr.contains("unknown KV cache dtype \"fp8\"") && stderr.contains("f16"), "{stderr}");
+    let stderr = common::serve_refusal(name, &["--kv-cache-dtype", "fp8"]);
+    assert!(stderr.contains("unknown KV cache dtype \"fp8\"") && stderr.contains("f16"), "{stderr}");
 }

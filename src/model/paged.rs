@@ -149,11 +149,7 @@ impl LayerBlocks {
     }
 
     /// The blocks of [`Self::host_history`] as slices of `T`, the blocks' element type.
-    fn host_blocks<'a, T: candle_core::WithDType>(
-        &self,
-        storage: &[((&'a candle_core::CpuStorage, &candle_core::Layout), (&'a candle_core::CpuStorage, &candle_core::Layout))],
-        total: usize,
-    ) -> Result<Vec<HostBlock<'a, T>>> {
+    fn host_blocks<'a, T: candle_core::WithDType>(&self, storage: &[CpuBlock<'a, '_>], total: usize) -> Result<Vec<HostBlock<'a, T>>> {
         let mut history = Vec::with_capacity(storage.len());
         for (i, ((k, k_layout), (v, v_layout))) in storage.iter().enumerate() {
             // Blocks are allocated whole and contiguous (`block`): their elements are the
@@ -210,6 +206,9 @@ impl LayerBlocks {
 
 /// One cache block of a sequence's history, read in place on a CPU.
 pub use tpserve_kernels::attention::HostBlock;
+
+/// A block's keys and values on a CPU: (storage, layout) each.
+type CpuBlock<'a, 'l> = ((&'a candle_core::CpuStorage, &'l candle_core::Layout), (&'a candle_core::CpuStorage, &'l candle_core::Layout));
 
 /// A sequence's history read in place on a CPU, in the blocks' element type.
 pub enum HostHistory<'a> {

@@ -131,6 +131,22 @@ impl Served {
         let output = tpserve().args(["generate", "--server", &self.address]).args(args).output().unwrap();
         (String::from_utf8_lossy(&output.stdout).into_owned(), output.status.success())
     }
+
+    /// The greedy ids `tpserve generate` streams for `prompt` (EOS ignored), `max_tokens` of them.
+    pub fn greedy(&self, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+        let max_tokens = max_tokens.to_string();
+        let (stdout, ok) =
+            self.generate(&["--prompt-ids", &ids_arg(prompt), "--json", "--ignore-eos", "--temperature", "0", "--max-tokens", &max_tokens]);
+        assert!(ok, "{stdout}");
+        parse_json_stream(&stdout).0
+    }
+}
+
+/// The stderr of `tpserve serve` on fixture `model` with `extra` flags, which must refuse to start.
+pub fn serve_refusal(model: &str, extra: &[&str]) -> String {
+    let output = tpserve().args(["serve", "--model"]).arg(fixture(model)).args(["--listen", "127.0.0.1:0"]).args(extra).output().unwrap();
+    assert!(!output.status.success(), "serve started with {extra:?}");
+    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 /// Where a server's log goes: under $TPSERVE_TEST_LOG_DIR when set (kept after the test, for

@@ -72,12 +72,12 @@ impl KvElement for half::f16 {
 }
 
 /// An f16's bits widened to the f32 of the same value, in integer and f32 operations that the
-/// compiler vectorizes (`half`'s conversion picks its instruction at run time, per element).
+/// compiler can vectorize (the portable build's widening; the SIMD builds use `vcvtph2ps`).
 /// The exponent and mantissa move to f32's places, and a multiply by 2^112 moves the exponent
 /// bias from 15 to 127, which also turns an f16 subnormal into the f32 normal of its value;
 /// infinities and NaNs take f32's all-ones exponent instead.
 #[inline(always)]
-pub fn f16_to_f32(bits: u16) -> f32 {
+fn f16_to_f32(bits: u16) -> f32 {
     const TWO_POW_112: u32 = (112 + 127) << 23;
     let bits = bits as u32;
     let magnitude = (bits & 0x7fff) << 13;
