@@ -448,4 +448,15 @@ mod tests {
         let unknown = parse_matmul_precision("fp8", bf16, QuantMode::Off, &cpu).unwrap_err();
         assert!(unknown.contains("expected exact or bf16"), "{unknown}");
     }
+
+    #[test]
+    fn kv_cache_dtype_names() {
+        let cpu = Device::Cpu;
+        assert_eq!(parse_kv_cache_dtype("", &cpu), Ok(None));
+        assert_eq!(parse_kv_cache_dtype("auto", &cpu), Ok(None));
+        assert_eq!(parse_kv_cache_dtype("f32", &cpu), Ok(Some(DType::F32)));
+        assert_eq!(parse_kv_cache_dtype("f16", &cpu), Ok(Some(DType::F16)));
+        let unknown = parse_kv_cache_dtype("fp8", &cpu).unwrap_err();
+        assert!(unknown.contains("expected auto, f32 or f16"), "{unknown}");
+    }
 }
