@@ -345,8 +345,10 @@ fn softmax(probs: &mut [f32], scale: f32, isa: Isa) {
     }
 }
 
-/// `sum_t p_g[t] * v_t` over the positions `run` of one pass's `blocks`, for every head g of the
-/// group (probabilities `probs`, [group, total]): [group, head_dim], summed from zero.
+/// `sum_t p_g[t] * v_t` over the positions `run` of one pass's `blocks` in order (v_t: KV head
+/// `kv`'s value row of position t), for every head g of the group (probabilities `probs`,
+/// [group, total]): [group, head_dim], summed from zero, up to [`HEADS_PER_PASS`] heads per
+/// read of a value row.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn pass_values<T: KvElement, const F16C: bool>(
@@ -362,10 +364,24 @@ fn pass_values<T: KvElement, const F16C: bool>(
     for block in blocks.iter().take(VALUE_BLOCKS_AHEAD) {
         prefetch_values(block, kv_heads, head_dim, kv);
     }
+    // Wide enough runs of output elements to keep eight vector sums going on AVX2. AVX-512
+    // takes runs of 64 (four 16-lane sums a head, 12 to 16 in all, of its 32 registers): each
+    // value row is read once, whole, rather than a quarter of it in each of four passes over the
+    // history, and three heads no longer wait on three chains of additions (1.02-1.42x,
+    // about 1.1x most often, the AVX-512 step at 64-1,024 positions in `attention_decode`).
+    let wide = isa == Isa::Avx512 && head_dim.is_multiple_of(64);
     let mut out = vec![0f32; probs.len() / total * head_dim];
     for (heads, out) in out.chunks_mut(HEADS_PER_PASS * head_dim).enumerate() {
-        let probs = &probs[heads * HEADS_PER_PASS * total..];
-        add_weighted_values::<T, F16C>(probs, total, run.clone(), blocks, kv_heads, head_dim, kv, out, isa);
+        let head = |h: usize| &probs[(heads * HEADS_PER_PASS + h) * total + run.start..(heads * HEADS_PER_PASS + h) * total + run.end];
+        match (out.len() / head_dim, wide) {
+            (1, _) => heads_values::<1, 64, T, F16C>([head(0)], blocks, kv_heads, head_dim, kv, out),
+            (2, false) => heads_values::<2, 32, T, F16C>([head(0), head(1)], blocks, kv_heads, head_dim, kv, out),
+            (2, true) => heads_values::<2, 64, T, F16C>([head(0), head(1)], blocks, kv_heads, head_dim, kv, out),
+            (3, false) => heads_values::<3, 16, T, F16C>([head(0), head(1), head(2)], blocks, kv_heads, head_dim, kv, out),
+            (3, true) => heads_values::<3, 64, T, F16C>([head(0), head(1), head(2)], blocks, kv_heads, head_dim, kv, out),
+            (_, false) => heads_values::<4, 16, T, F16C>([head(0), head(1), head(2), head(3)], blocks, kv_heads, head_dim, kv, out),
+            (_, true) => heads_values::<4, 64, T, F16C>([head(0), head(1), head(2), head(3)], blocks, kv_heads, head_dim, kv, out),
+        }
     }
     out
 }
@@ -558,43 +574,9 @@ fn partial_scores<T: KvElement>(q: &[f32], partial: &[ScoreChunk<'_, T>], scores
     }
 }
 
-/// `out[h] += sum_t p_h[t] * v_t` for up to [`HEADS_PER_PASS`] heads h of a group, over the
-/// positions of `history` in order (v_t: KV head `kv`'s value row of position t), continuing the
-/// sums already in `out` ([heads, head_dim]); head h's probabilities for those positions are
-/// `p_h = probs[h * stride..][run]`.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn add_weighted_values<T: KvElement, const F16C: bool>(
-    probs: &[f32],
-    stride: usize,
-    run: std::ops::Range<usize>,
-    history: &[HostBlock<'_, T>],
-    kv_heads: usize,
-    head_dim: usize,
-    kv: usize,
-    out: &mut [f32],
-    isa: Isa,
-) {
-    let head = |h: usize| &probs[h * stride + run.start..h * stride + run.end];
-    // Wide enough runs of output elements to keep eight vector sums going on AVX2. AVX-512
-    // takes runs of 64 (four 16-lane sums a head, 12 to 16 in all, of its 32 registers): each
-    // value row is read once, whole, rather than a quarter of it in each of four passes over the
-    // history, and three heads no longer wait on three chains of additions (1.02-1.42x,
-    // about 1.1x most often, the AVX-512 step at 64-1,024 positions in `attention_decode`).
-    let wide = isa == Isa::Avx512 && head_dim.is_multiple_of(64);
-    match (out.len() / head_dim, wide) {
-        (1, _) => heads_values::<1, 64, T, F16C>([head(0)], history, kv_heads, head_dim, kv, out),
-        (2, false) => heads_values::<2, 32, T, F16C>([head(0), head(1)], history, kv_heads, head_dim, kv, out),
-        (2, true) => heads_values::<2, 64, T, F16C>([head(0), head(1)], history, kv_heads, head_dim, kv, out),
-        (3, false) => heads_values::<3, 16, T, F16C>([head(0), head(1), head(2)], history, kv_heads, head_dim, kv, out),
-        (3, true) => heads_values::<3, 64, T, F16C>([head(0), head(1), head(2)], history, kv_heads, head_dim, kv, out),
-        (_, false) => heads_values::<4, 16, T, F16C>([head(0), head(1), head(2), head(3)], history, kv_heads, head_dim, kv, out),
-        (_, true) => heads_values::<4, 64, T, F16C>([head(0), head(1), head(2), head(3)], history, kv_heads, head_dim, kv, out),
-    }
-}
-
-/// [`add_weighted_values`] for `H` heads, `W` output elements of each at a time; every output
-/// element is the same sum in the same order whatever `H` and `W`.
+/// `out[h] += sum_t p_h[t] * v_t` for `H` heads (the sums already in `out`, [H, head_dim], go
+/// on), `W` output elements of each at a time; every output element is the same sum in the same
+/// order whatever `H` and `W`.
 #[inline(always)]
 fn heads_values<const H: usize, const W: usize, T: KvElement, const F16C: bool>(
     probs: [&[f32]; H],
