@@ -1,5 +1,6 @@
 //! Weight rows interleaved eight at a time ("x8"): the resident layout of the 32-value block
-//! formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of Q4_K, and their matrix products.
+//! formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of Q4_K and Q6_K (their group-blocks and products
+//! in [`super::interleaved_k`]), and their matrix products.
 //!
 //! In GGML's row layout a dot product pays, for every 32-value block, a horizontal sum and
 //! scalar arithmetic on f16 scales; that bookkeeping, not the integer products, was most of a
@@ -33,38 +34,19 @@
 //! - 5th bits: 32-bit word `t` has bit `4r + i` set when value `4t + i` of row r has its 5th bit.
 //! - Q8_0: 32-byte chunk `t` (0..8) holds bytes `4t..4t+4` of row r in lane r.
 //!
-//! Q4_K (256 values a block, against Q8_K activations, [`super::kquant`]) has a 1152-byte
-//! group-block, eight 144-byte blocks:
-//!
-//! | d, f16 x8 | dmin, f16 x8 | scales | values |
-//! |-----------|--------------|--------|--------|
-//! | 16        | 16           | 96     | 1024   |
-//!
-//! - scales: 32-byte chunk `c` (0..3) holds in lane `r` bytes `4c..4c+4` of row r's twelve
-//!   packed 6-bit scale and min bytes, so GGML's unpacking (`get_scale_min_k4`) runs on the
-//!   eight rows at once, lane by lane, leaving each row's eight scales and eight mins as bytes
-//!   of its lanes.
-//! - values: 32-byte chunk `v` (0..32) holds in lane `r` bytes `4v..4v+4` of row r's 128 bytes
-//!   of packed nibbles: with `v = 8p + u`, the low nibbles are values `4u..4u+4` of sub-block
-//!   `2p` and the high nibbles the same values of sub-block `2p + 1`.
-//!
-//! Per block and lane, Q4_K's product is `Q = sum_j sc_j isum_j` (`isum_j`: sub-block j's 32
-//! integer products) and `M = sum_j m_j bs_j` (`bs_j`: the activation sum of sub-block j), then
-//! `acc = acc + Q * (d_w * d_x)` and `acc = acc - M * (dmin_w * d_x)` (separate multiplies and
-//! adds, as [`super::kquant`]): no horizontal sum at all, each lane is a row's result.
-//!
 //! Rows past the last whole group stay in row layout after the groups and go through
-//! [`super::kernels`] (for Q4_K, [`super::kquant`]'s row kernels). A product's additions happen
-//! in the same order on every path and for every batch size, so every path equals
-//! [`group_portable`] ([`group_portable_q4k`] for Q4_K) bit for bit, and a row's result does not
-//! depend on the batch it is in.
+//! [`super::kernels`] (for the K-quants, [`super::kquant`]'s row kernels). A product's additions
+//! happen in the same order on every path and for every batch size, so every path equals
+//! [`group_portable`] ([`super::interleaved_k::group_portable`] for the K-quants) bit for bit,
+//! and a row's result does not depend on the batch it is in.
 
 use candle_core::quantized::GgmlDType;
 use rayon::prelude::*;
 
 use super::formats::row_bytes;
 use super::kernels::{self, ActQ8, Path, quantize_act};
-use super::kquant::{ActQ8K, QK_K, quantize_act_k};
+use super::interleaved_k;
+use super::kquant::{ActQ8K, quantize_act_k};
 use crate::output::Output;
 
 /// Rows per interleaved group: one per 32-bit lane of a 256-bit register.
@@ -80,44 +62,11 @@ const GROUPS_PER_TASK: usize = 4;
 const PAIR_ROWS: usize = 8;
 const QK: usize = 32;
 
-/// The formats held interleaved (resident): the model packs every one of them. Q4_K is here
-/// because its x8 product measured faster than its row kernel at one activation row on the
-/// `quant_matvec --k-quants` shapes (and at sixteen).
+/// The formats held interleaved (resident): the model packs every one of them (the K-quants
+/// of [`interleaved_k::holds`] among them).
 pub fn packable(dtype: GgmlDType) -> bool {
     use GgmlDType::*;
-    matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q4K)
-}
-
-/// Offsets in a Q4_K group-block (see the module documentation): d x8, dmin x8, the three
-/// 32-byte scale chunks, the 32 value chunks.
-const K_DMIN: usize = 16;
-const K_SCALES: usize = 32;
-const K_QS: usize = 128;
-/// Bytes of a Q4_K block: d, dmin, 12 scale bytes, 128 bytes of nibbles.
-const Q4K_BYTES: usize = 144;
-
-/// Interleaves the eight Q4_K blocks `rows` into group-block `out`: every 32-bit word of a
-/// block past its d and dmin goes to lane r of a chunk.
-fn pack_block_q4k(rows: [&[u8]; GROUP], out: &mut [u8]) {
-    for (r, blk) in rows.iter().enumerate() {
-        out[2 * r..2 * r + 2].copy_from_slice(&blk[0..2]);
-        out[K_DMIN + 2 * r..K_DMIN + 2 * r + 2].copy_from_slice(&blk[2..4]);
-        for w in 1..Q4K_BYTES / 4 {
-            // word w (scale bytes for w < 4, nibbles after) is chunk w - 1 from K_SCALES on
-            let at = K_SCALES + 32 * (w - 1) + 4 * r;
-            out[at..at + 4].copy_from_slice(&blk[4 * w..4 * w + 4]);
-        }
-    }
-}
-
-/// Row `r`'s Q4_K block out of group-block `group` (the inverse of [`pack_block_q4k`]).
-fn unpack_block_q4k(group: &[u8], r: usize, out: &mut [u8]) {
-    out[0..2].copy_from_slice(&group[2 * r..2 * r + 2]);
-    out[2..4].copy_from_slice(&group[K_DMIN + 2 * r..K_DMIN + 2 * r + 2]);
-    for w in 1..Q4K_BYTES / 4 {
-        let at = K_SCALES + 32 * (w - 1) + 4 * r;
-        out[4 * w..4 * w + 4].copy_from_slice(&group[at..at + 4]);
-    }
+    matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0) || interleaved_k::holds(dtype)
 }
 
 /// Where the parts of a format's blocks are: in a GGML block and in a group-block.
@@ -236,8 +185,8 @@ pub fn pack(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8>
         for b in 0..blocks {
             let rows = std::array::from_fn(|r| &bytes[(g * GROUP + r) * rb + b * ts..(g * GROUP + r) * rb + (b + 1) * ts]);
             let out = &mut out[b * gbytes..(b + 1) * gbytes];
-            if dtype == GgmlDType::Q4K {
-                pack_block_q4k(rows, out);
+            if interleaved_k::holds(dtype) {
+                interleaved_k::pack_block(dtype, rows, out);
             } else {
                 pack_block(Parts::of(dtype), rows, out);
             }
@@ -262,8 +211,8 @@ pub fn row(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8], row: usize
     let mut out = vec![0u8; rb];
     for (b, blk) in out.chunks_exact_mut(ts).enumerate() {
         let group = &group[b * gbytes..(b + 1) * gbytes];
-        if dtype == GgmlDType::Q4K {
-            unpack_block_q4k(group, r, blk);
+        if interleaved_k::holds(dtype) {
+            interleaved_k::unpack_block(dtype, group, r, blk);
         } else {
             unpack_block(Parts::of(dtype), group, r, blk);
         }
@@ -286,7 +235,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     if m == 0 {
         return Vec::new();
     }
-    let k_quant = dtype == GgmlDType::Q4K;
+    let k_quant = interleaved_k::holds(dtype);
     // The rows of a batch are quantized in parallel: done serially they were a tenth of a
     // 16-row Q8_0 product, with the other thread idle.
     let acts: Vec<ActQ8> = if k_quant { Vec::new() } else { x.par_chunks_exact(k).map(quantize_act).collect() };
@@ -358,7 +307,7 @@ unsafe fn store<const L: usize>(out: Output, first_col: usize, first_row: usize,
 }
 
 /// Up to four activation rows of a product: 8-bit per 32 values (the 32-value formats) or
-/// Q8_K (Q4_K).
+/// Q8_K (the K-quants).
 #[derive(Clone, Copy)]
 enum Acts<'a> {
     Q8(&'a [&'a ActQ8]),
@@ -366,29 +315,12 @@ enum Acts<'a> {
 }
 
 /// One group's eight rows against up to four activation rows: `out[j][r]` is row r dotted with
-/// activation row j. The one place a path is taken.
+/// activation row j. The one place a path is taken for the 32-value formats
+/// ([`interleaved_k::group_dot`] for the K-quants).
 fn group_dot(path: Path, dtype: GgmlDType, group: &[u8], acts: Acts, out: &mut [[f32; GROUP]]) {
     let acts = match acts {
         Acts::Q8(acts) => acts,
-        Acts::K(acts) => {
-            let blocks = acts[0].d.len();
-            assert!(dtype == GgmlDType::Q4K && acts.len() <= 4 && acts.len() == out.len());
-            assert!(group.len() == blocks * GROUP * Q4K_BYTES);
-            assert!(acts.iter().all(|a| a.d.len() == blocks && a.bsums.len() == blocks * 16 && a.qs.len() == blocks * QK_K));
-            match path {
-                Path::Portable => group_portable_q4k(group, acts, out),
-                // The VNNI path runs the AVX2 body, as `kquant`'s does (no AVX-512 CPU to test a
-                // `vpdpbusd` body on; the integer lanes, hence the results, would be the same).
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `matmul` asserted this CPU has the path, which includes AVX2, FMA and
-                // F16C; the group holds `blocks` Q4_K group-blocks and every activation row
-                // `blocks` blocks (asserted above).
-                Path::Avx2 | Path::Avx512Vnni => unsafe { x86::group_q4k_avx2(group.as_ptr(), blocks, acts, out) },
-                #[cfg(not(target_arch = "x86_64"))]
-                _ => group_portable_q4k(group, acts, out),
-            }
-            return;
-        }
+        Acts::K(acts) => return interleaved_k::group_dot(path, dtype, group, acts, out),
     };
     let blocks = acts[0].d.len();
     assert!(acts.len() <= 4 && acts.len() == out.len());
@@ -475,64 +407,6 @@ pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8], out: &mut
     }
 }
 
-/// The eight 6-bit scales and mins of the eight rows of a Q4_K group-block, lane by lane: GGML's
-/// `get_scale_min_k4` on the three scale words of lane r, as [`super::kquant`] unpacks one
-/// block (`u0`, `u1`, `u2`: the words of a lane). Returns the words of sub-blocks 0..4 and 4..8:
-/// byte `j % 4` of `(scales_lo, scales_hi, mins_lo, mins_hi)`.
-#[inline(always)]
-fn q4k_scale_words(u0: u32, u1: u32, u2: u32) -> [u32; 4] {
-    [
-        u0 & 0x3f3f_3f3f,
-        (u2 & 0x0f0f_0f0f) | ((u0 >> 6) & 0x0303_0303) << 4,
-        u1 & 0x3f3f_3f3f,
-        ((u2 >> 4) & 0x0f0f_0f0f) | ((u1 >> 6) & 0x0303_0303) << 4,
-    ]
-}
-
-/// The scalar reference of Q4_K's x8 product: per block and lane (row) r, the integer sums
-/// `Q = sum_j sc_j isum_j` and `M = sum_j m_j bs_j`, then `acc = acc + Q * (d_w * d_x)` and
-/// `acc = acc - M * (dmin_w * d_x)`, which is what the AVX2 path computes lane by lane.
-pub fn group_portable_q4k(group: &[u8], acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
-    let f16 = |gb: &[u8], at: usize| half::f16::from_le_bytes([gb[at], gb[at + 1]]).to_f32();
-    let word = |gb: &[u8], at: usize| u32::from_le_bytes(gb[at..at + 4].try_into().expect("4 bytes"));
-    for o in out.iter_mut() {
-        *o = [0.0; GROUP];
-    }
-    let gbytes = GROUP * Q4K_BYTES;
-    for (b, gb) in group.chunks_exact(gbytes).enumerate() {
-        for r in 0..GROUP {
-            let (d, dmin) = (f16(gb, 2 * r), f16(gb, K_DMIN + 2 * r));
-            let [s_lo, s_hi, m_lo, m_hi] = q4k_scale_words(word(gb, K_SCALES + 4 * r), word(gb, K_SCALES + 32 + 4 * r), word(gb, K_SCALES + 64 + 4 * r));
-            let (scales, mins) = ((s_lo as u64 | (s_hi as u64) << 32).to_le_bytes(), (m_lo as u64 | (m_hi as u64) << 32).to_le_bytes());
-            // Row r's 256 values: value 4u + i of sub-blocks 2p (low nibble) and 2p + 1 (high
-            // nibble) is byte i of lane r in chunk 8p + u.
-            let mut values = [0i32; QK_K];
-            for p in 0..4 {
-                for u in 0..8 {
-                    for i in 0..4 {
-                        let byte = gb[K_QS + 32 * (8 * p + u) + 4 * r + i];
-                        values[64 * p + 4 * u + i] = (byte & 15) as i32;
-                        values[64 * p + 32 + 4 * u + i] = (byte >> 4) as i32;
-                    }
-                }
-            }
-            for (act, o) in acts.iter().zip(out.iter_mut()) {
-                let x = &act.qs[b * QK_K..(b + 1) * QK_K];
-                let bsums = &act.bsums[b * 16..(b + 1) * 16];
-                let (mut q, mut m) = (0i32, 0i32);
-                for j in 0..8 {
-                    let isum: i32 = values[32 * j..32 * j + 32].iter().zip(&x[32 * j..32 * j + 32]).map(|(&w, &x)| w * x as i32).sum();
-                    q += scales[j] as i32 * isum;
-                    m += mins[j] as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
-                }
-                let dx = act.d[b];
-                o[r] += q as f32 * (d * dx);
-                o[r] -= m as f32 * (dmin * dx);
-            }
-        }
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -540,7 +414,7 @@ mod x86 {
     use candle_core::quantized::GgmlDType;
 
     use super::super::kernels::x86::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, high_bits};
-    use super::{ActQ8, ActQ8K, GROUP, K_DMIN, K_QS, K_SCALES, Parts, Q4K_BYTES, QK, QK_K};
+    use super::{ActQ8, GROUP, Parts, QK};
 
     /// One instantiation per format and batch size (1..=4 activation rows), compiled for the
     /// features of `$features`.
@@ -869,115 +743,10 @@ mod x86 {
         unsafe { _mm512_set1_epi32(act.qs.as_ptr().add(at).cast::<i32>().read_unaligned()) }
     }
 
-    /// Eight interleaved Q4_K rows against `acts` (1 to 4 Q8_K rows): `out[j][r]`.
-    ///
-    /// # Safety
-    /// The CPU has AVX2, FMA and F16C; `group` points to `blocks` Q4_K group-blocks; every
-    /// activation row holds `blocks` blocks (`d`, `qs`, `bsums`); `out` has `acts.len()` rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn group_q4k_avx2(group: *const u8, blocks: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
-        // SAFETY: forwarded contract; each arm passes exactly its number of rows.
-        unsafe {
-            match acts.len() {
-                1 => body_q4k::<1>(group, blocks, [acts[0]], out),
-                2 => body_q4k::<2>(group, blocks, [acts[0], acts[1]], out),
-                3 => body_q4k::<3>(group, blocks, [acts[0], acts[1], acts[2]], out),
-                _ => body_q4k::<4>(group, blocks, [acts[0], acts[1], acts[2], acts[3]], out),
-            }
-        }
-    }
-
-    /// The lane-wise Q4_K products of `R` activation rows with one group's eight rows (the lanes
-    /// of [`super::group_portable_q4k`]).
-    ///
-    /// # Safety
-    /// As [`group_q4k_avx2`], with `R` equal to the number of rows of `out`.
-    #[inline(always)]
-    unsafe fn body_q4k<const R: usize>(group: *const u8, blocks: usize, acts: [&ActQ8K; R], out: &mut [[f32; GROUP]]) {
-        // SAFETY (whole block): AVX2, FMA and F16C are enabled by every caller; group-block
-        // b < blocks is in bounds of `group`, and activation bytes b * 256 + 256, sums
-        // b * 16 + 16 and scale b of every row (the caller's contract); every load is unaligned.
-        unsafe {
-            let low4 = _mm256_set1_epi8(0x0F);
-            let (six, four, two) = (_mm256_set1_epi32(0x3f3f_3f3f), _mm256_set1_epi32(0x0f0f_0f0f), _mm256_set1_epi32(0x0303_0303));
-            let even_bytes = _mm256_set1_epi32(0x00ff_00ff);
-            // pick[i]: byte i of each 32-bit lane, zero-extended, in both of the lane's i16
-            let lane = |q: u32, i: u32| ((4 * q + i) | 0x80 << 8 | (4 * q + i) << 16 | 0x80 << 24) as i32;
-            let pick: [__m256i; 4] = std::array::from_fn(|i| {
-                let i = i as u32;
-                _mm256_setr_epi32(lane(0, i), lane(1, i), lane(2, i), lane(3, i), lane(0, i), lane(1, i), lane(2, i), lane(3, i))
-            });
-            let broadcast4 = |at: *const i8| _mm256_set1_epi32(at.cast::<i32>().read_unaligned());
-            let mut acc = [_mm256_setzero_ps(); R];
-            for b in 0..blocks {
-                let gb = group.add(b * GROUP * Q4K_BYTES);
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(gb.cast()));
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(K_DMIN).cast()));
-                // `super::q4k_scale_words`, lane by lane
-                let u0 = _mm256_loadu_si256(gb.add(K_SCALES).cast());
-                let u1 = _mm256_loadu_si256(gb.add(K_SCALES + 32).cast());
-                let u2 = _mm256_loadu_si256(gb.add(K_SCALES + 64).cast());
-                let s_lo = _mm256_and_si256(u0, six);
-                let s_hi = _mm256_or_si256(_mm256_and_si256(u2, four), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), two), 4));
-                let m_lo = _mm256_and_si256(u1, six);
-                let m_hi = _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi32(u2, 4), four),
-                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), two), 4),
-                );
-                let x = acts.map(|a| a.qs.as_ptr().add(b * QK_K));
-                let mut q = [_mm256_setzero_si256(); R];
-                for p in 0..4 {
-                    // sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles): i16 pair sums of
-                    // eight chunks, at most 8 * 2 * 15 * 128 = 30720 in magnitude
-                    let mut lo_pairs = [_mm256_setzero_si256(); R];
-                    let mut hi_pairs = [_mm256_setzero_si256(); R];
-                    for u in 0..8 {
-                        let chunk = _mm256_loadu_si256(gb.add(K_QS + 32 * (8 * p + u)).cast());
-                        let lo = _mm256_and_si256(chunk, low4);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4);
-                        for j in 0..R {
-                            let at = x[j].add(64 * p + 4 * u);
-                            lo_pairs[j] = _mm256_add_epi16(lo_pairs[j], _mm256_maddubs_epi16(lo, broadcast4(at)));
-                            hi_pairs[j] = _mm256_add_epi16(hi_pairs[j], _mm256_maddubs_epi16(hi, broadcast4(at.add(32))));
-                        }
-                    }
-                    let words = if p < 2 { s_lo } else { s_hi };
-                    let sc_lo = _mm256_shuffle_epi8(words, pick[(2 * p) % 4]);
-                    let sc_hi = _mm256_shuffle_epi8(words, pick[(2 * p + 1) % 4]);
-                    for j in 0..R {
-                        q[j] = _mm256_add_epi32(q[j], _mm256_add_epi32(_mm256_madd_epi16(lo_pairs[j], sc_lo), _mm256_madd_epi16(hi_pairs[j], sc_hi)));
-                    }
-                }
-                // the mins as i16: (m0, m2), (m1, m3), (m4, m6), (m5, m7) in each lane
-                let mins = [
-                    _mm256_and_si256(m_lo, even_bytes),
-                    _mm256_srli_epi16(m_lo, 8),
-                    _mm256_and_si256(m_hi, even_bytes),
-                    _mm256_srli_epi16(m_hi, 8),
-                ];
-                for j in 0..R {
-                    // bs_s: the activation sum of sub-block s, at most 32 * 128 in magnitude
-                    let bsums = acts[j].bsums.as_ptr().add(16 * b);
-                    let bs = |s: usize| *bsums.add(2 * s) as i32 + *bsums.add(2 * s + 1) as i32;
-                    let pair = |a: i32, c: i32| _mm256_set1_epi32((a as u16 as u32 | (c as u16 as u32) << 16) as i32);
-                    let m = _mm256_add_epi32(
-                        _mm256_add_epi32(_mm256_madd_epi16(mins[0], pair(bs(0), bs(2))), _mm256_madd_epi16(mins[1], pair(bs(1), bs(3)))),
-                        _mm256_add_epi32(_mm256_madd_epi16(mins[2], pair(bs(4), bs(6))), _mm256_madd_epi16(mins[3], pair(bs(5), bs(7)))),
-                    );
-                    let dx = _mm256_set1_ps(*acts[j].d.get_unchecked(b));
-                    acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_cvtepi32_ps(q[j]), _mm256_mul_ps(d, dx)));
-                    acc[j] = _mm256_sub_ps(acc[j], _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_mul_ps(dmin, dx)));
-                }
-            }
-            for j in 0..R {
-                _mm256_storeu_ps(out[j].as_mut_ptr(), acc[j]);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::super::formats::dequantize;
     use super::*;
     use crate::test_values::{assert_within_activation_rounding, blocks, values};
@@ -1007,7 +776,7 @@ mod tests {
     /// i, j, got, reference, tail)` adds the caller's checks (`tail`: a row past the last whole
     /// group, in row layout), a row's result is the same alone as in its batch, and it is within
     /// the activation rounding of the dequantized product.
-    fn check_products(
+    pub(in crate::quant) fn check_products(
         dtype: GgmlDType,
         path: Path,
         (m, k, n): (usize, usize, usize),
@@ -1062,85 +831,5 @@ mod tests {
         }
         assert!(ran.contains(&Path::Portable));
         eprintln!("interleaved kernel paths tested on this CPU: {ran:?}");
-    }
-
-    /// Q4_K: packing keeps the size, `unpack` and `row` invert it, on several 256-blocks and
-    /// row counts around the group size.
-    #[test]
-    fn q4k_packing_round_trips() {
-        let dtype = GgmlDType::Q4K;
-        for rows in [1, 7, 8, 9, 16, 21] {
-            let cols = 768;
-            let bytes = blocks(dtype, rows, cols, 40 + rows as u64);
-            let packed = pack(dtype, rows, cols, &bytes);
-            assert_eq!(packed.len(), bytes.len());
-            if rows >= GROUP {
-                assert_ne!(packed, bytes, "a whole group is rearranged");
-            }
-            assert_eq!(unpack(dtype, rows, cols, &packed), bytes, "rows {rows}");
-            let rb = row_bytes(dtype, cols);
-            for r in 0..rows {
-                assert_eq!(row(dtype, rows, cols, &packed, r), bytes[r * rb..(r + 1) * rb], "rows {rows} row {r}");
-            }
-        }
-    }
-
-    /// Q4_K x8: every path this CPU has equals the scalar reference bit for bit on the grouped
-    /// rows (tail rows, in row layout: within rounding of it), for batches of 1 to 9 rows; a
-    /// row's result is the same alone or in a batch; and the result is within the activation
-    /// rounding of the dequantized product (at most half a step, amax / 254, a value: within
-    /// 0.01 |w| |x| for these inputs, as `kquant`'s tests).
-    #[test]
-    fn q4k_every_path_equals_the_reference_and_the_dequantized_product() {
-        let dtype = GgmlDType::Q4K;
-        let mut ran = Vec::new();
-        for path in Path::ALL.into_iter().filter(|p| p.available()) {
-            ran.push(path);
-            let shapes = [(1, 256, 8), (1, 512, 37), (2, 768, 16), (3, 1280, 19), (4, 256, 24), (5, 512, 33), (6, 256, 8), (7, 512, 9), (8, 768, 15), (9, 2048, 17)];
-            for &(m, k, n) in &shapes {
-                let bytes = blocks(dtype, n, k, (m * k + n) as u64);
-                let x = values(m * k, 5 + k as u64);
-                let rows_layout = kernels::matmul(&x, m, k, dtype, &bytes, n, Path::Portable);
-                check_products(dtype, path, (m, k, n), &bytes, &x, &format!("{path:?} m{m} k{k} n{n}"), |at, i, j, g, _, tail| {
-                    let r = rows_layout[i * n + j];
-                    if tail {
-                        assert_eq!(g.to_bits(), r.to_bits(), "{at}: a tail row is the row kernels' result");
-                    }
-                    // the row layout's sums, in another float order
-                    assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{at}: {g} vs row layout {r}");
-                });
-            }
-        }
-        assert!(ran.contains(&Path::Portable));
-        eprintln!("Q4_K interleaved paths tested on this CPU: {ran:?}");
-    }
-
-    /// Q4_K x8 edge cases: all-zero activations give zeros; a single large activation (the
-    /// others round to 0) and values of the largest magnitude everywhere (the i16 pair sums at
-    /// their largest) agree across paths and with the dequantized product.
-    #[test]
-    fn q4k_zero_and_extreme_activations() {
-        let dtype = GgmlDType::Q4K;
-        let (k, n) = (512, 16);
-        let bytes = blocks(dtype, n, k, 8);
-        let packed = pack(dtype, n, k, &bytes);
-        let mut wd = vec![0f32; n * k];
-        dequantize(dtype, &bytes, &mut wd);
-        let mut spike = vec![1e-3f32; k];
-        spike[300] = -50.0;
-        let alternating: Vec<f32> = (0..k).map(|i| if i % 3 == 0 { 1.0 } else { -1.0 }).collect();
-        for (case, x) in [vec![0f32; k], spike, alternating, vec![-1.0; k]].into_iter().enumerate() {
-            let reference = matmul(&x, 1, k, dtype, &packed, n, Path::Portable);
-            if case == 0 {
-                assert!(reference.iter().all(|&v| v == 0.0));
-            }
-            for path in Path::ALL.into_iter().filter(|p| p.available()) {
-                let got = matmul(&x, 1, k, dtype, &packed, n, path);
-                for j in 0..n {
-                    assert_eq!(got[j].to_bits(), reference[j].to_bits(), "{path:?} case {case} col {j}");
-                    assert_within_activation_rounding(got[j], &wd[j * k..(j + 1) * k], &x, &format!("{path:?} case {case} col {j}"));
-                }
-            }
-        }
     }
 }

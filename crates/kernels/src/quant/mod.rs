@@ -4,10 +4,12 @@
 //! - [`kernels`]: 8-bit activations and dot products against GGML's row layout (K-quants, and
 //!   the rows of a matrix past its last group of eight).
 //! - [`kquant`]: the integer dot products of K-quant rows (Q2_K..Q6_K) with Q8_K activations.
-//! - [`interleaved`]: the resident layout of the 32-value block formats and Q4_K, eight rows
+//! - [`interleaved`]: the resident layout of the 32-value block formats, eight rows
 //!   interleaved, and its products.
+//! - [`interleaved_k`]: the same layout's group-blocks and products for Q4_K and Q6_K.
 
 pub mod formats;
 pub mod interleaved;
+pub mod interleaved_k;
 pub mod kernels;
 pub mod kquant;
