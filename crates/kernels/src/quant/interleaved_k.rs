@@ -10,7 +10,7 @@
 //! | format | block | f16 fields, x8 | chunks |
 //! |--------|-------|----------------|--------|
 //! | Q4_K   | 144   | d, dmin (32)   | 3 of packed 6-bit scales and mins, 32 of nibbles (GGML's words in order) |
-//! | Q6_K   | 210   | d (16)         | 48 of 6-bit values, 4 of i8 scales |
+//! | Q6_K   | 210   | d (16)         | 4 of i8 scales, 48 of 6-bit values |
 //!
 //! Q4_K: with scale chunks `0..3`, GGML's unpacking (`get_scale_min_k4`) runs on the eight rows
 //! at once, lane by lane, leaving each row's eight scales and eight mins as bytes of its lanes.
@@ -63,9 +63,10 @@ const Q6K: Layout = Layout { block: 210, f16s: &[208], chunks: 52 };
 const Q4K_DMIN: usize = 16;
 const Q4K_SCALES: usize = Q4K.chunk(0);
 const Q4K_QS: usize = Q4K.chunk(3);
-/// Offsets in a Q6_K group-block: the 48 value chunks, the 4 scale chunks.
-const Q6K_VALUES: usize = Q6K.chunk(0);
-const Q6K_SCALES: usize = Q6K.chunk(48);
+/// Offsets in a Q6_K group-block: the 4 scale chunks, the 48 value chunks (in the order the
+/// products read them: a group-block streamed from memory front to back).
+const Q6K_SCALES: usize = Q6K.chunk(0);
+const Q6K_VALUES: usize = Q6K.chunk(4);
 /// Bytes of a GGML Q6_K block: `ql`, `qh`, the scales (then d).
 const Q6K_QH: usize = 128;
 const Q6K_BLOCK_SCALES: usize = 192;
@@ -98,12 +99,12 @@ pub(super) fn pack_block(dtype: GgmlDType, rows: [&[u8]; GROUP], out: &mut [u8])
             match &values {
                 // Q4_K: GGML's words past d and dmin, in order
                 None => lane.copy_from_slice(&blk[4 + 4 * c..8 + 4 * c]),
-                Some(values) if c < 48 => {
+                Some(_) if c < 4 => lane.copy_from_slice(&blk[Q6K_BLOCK_SCALES + 4 * c..Q6K_BLOCK_SCALES + 4 * c + 4]),
+                Some(values) => {
                     for (e, byte) in lane.iter_mut().enumerate() {
-                        *byte = q6k_value_byte(values, c, e);
+                        *byte = q6k_value_byte(values, c - 4, e);
                     }
                 }
-                Some(_) => lane.copy_from_slice(&blk[Q6K_BLOCK_SCALES + 4 * (c - 48)..Q6K_BLOCK_SCALES + 4 * (c - 47)]),
             }
         }
     }
@@ -123,13 +124,13 @@ pub(super) fn unpack_block(dtype: GgmlDType, group: &[u8], r: usize, out: &mut [
         return;
     }
     out[..Q6K_BLOCK_SCALES].fill(0);
-    for (v, &value) in q6k_lane_values(|c, e| lane(c)[e]).iter().enumerate() {
+    for (v, &value) in q6k_lane_values(|c, e| lane(4 + c)[e]).iter().enumerate() {
         let (h, t, l) = (v / 128, v % 128 / 32, v % 32);
         out[64 * h + 32 * (t % 2) + l] |= (value & 15) << (4 * (t / 2));
         out[Q6K_QH + 32 * h + l] |= (value >> 4) << (2 * t);
     }
     for c in 0..4 {
-        out[Q6K_BLOCK_SCALES + 4 * c..Q6K_BLOCK_SCALES + 4 * c + 4].copy_from_slice(lane(48 + c));
+        out[Q6K_BLOCK_SCALES + 4 * c..Q6K_BLOCK_SCALES + 4 * c + 4].copy_from_slice(lane(c));
     }
 }
 
