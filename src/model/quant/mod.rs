@@ -8,8 +8,8 @@
 //!   columns on block boundaries, else re-quantized to Q8_0, else f32), load-time quantization.
 //! - [`kernels`]: activations quantized per block to 8 bits and integer dot products, AVX-512
 //!   VNNI / AVX2 / portable, chosen in one place ([`kernels::Path::selected`]).
-//! - [`interleaved`]: the resident layout of the 32-value block formats (Q4_0..Q8_0), Q4_K and
-//!   Q6_K, eight rows interleaved so that one vector holds the same block of eight rows, and its
+//! - [`interleaved`]: the resident layout of the 32-value block formats (Q4_0..Q8_0), Q4_K,
+//!   Q5_K and Q6_K, eight rows interleaved so that one vector holds the same block of eight rows, and its
 //!   products.
 //! - [`Weight`]: the weight of a linear layer, embedding or LM head: dense, in column panels
 //!   (dense on a CPU with a panel kernel, `crate::model::panels`), or quantized.

@@ -1,5 +1,5 @@
-//! The K-quant group-blocks of the interleaved ("x8") layout, Q4_K and Q6_K, and their products
-//! with Q8_K activations ([`super::kquant`]).
+//! The K-quant group-blocks of the interleaved ("x8") layout, Q4_K, Q5_K and Q6_K, and their
+//! products with Q8_K activations ([`super::kquant`]).
 //!
 //! A group-block (block `b` of eight consecutive rows, [`super::interleaved`]) holds each f16
 //! field of the eight rows together (16 bytes), then 32-byte chunks whose lane `r` holds four
@@ -10,6 +10,7 @@
 //! | format | block | f16 fields, x8 | chunks |
 //! |--------|-------|----------------|--------|
 //! | Q4_K   | 144   | d, dmin (32)   | 3 of packed 6-bit scales and mins, 32 of nibbles (GGML's words in order) |
+//! | Q5_K   | 176   | d, dmin (32)   | as Q4_K, with 8 of 5th bits (`qh`) before the nibbles |
 //! | Q6_K   | 210   | d (16)         | 4 of i8 scales, 48 of 6-bit values |
 //!
 //! Q4_K: with scale chunks `0..3`, GGML's unpacking (`get_scale_min_k4`) runs on the eight rows
@@ -18,7 +19,9 @@
 //! its high nibbles the same values of sub-block `2p + 1`. Per block and lane the product is
 //! `Q = sum_j sc_j isum_j` (`isum_j`: sub-block j's 32 integer products) and `M = sum_j m_j bs_j`
 //! (`bs_j`: the activation sum of sub-block j), then `acc = acc + Q * (d_w * d_x)` and
-//! `acc = acc - M * (dmin_w * d_x)`.
+//! `acc = acc - M * (dmin_w * d_x)`. Q5_K adds a 5th bit to each value: bit `j` of byte `l` of
+//! `qh` for value `l` of sub-block j, so `qh` chunk `u` holds the 5th bits of values `4u..4u+4`
+//! of every sub-block.
 //!
 //! Q6_K: GGML stores value `128h + 32t + l` (h < 2, t < 4, l < 32) as a low nibble in
 //! `ql[64h + 32(t % 2) + l]` (the high nibble when t >= 2) and two high bits in bits `2t, 2t + 1`
@@ -29,6 +32,10 @@
 //! `e` of lane r value `128h + 32j + 4i + e` of row r, with bits `2j, 2j + 1` of value
 //! `128h + 96 + 4i + e` in its top two bits (eleven operations for the four vectors). Per block
 //! and lane, `Q = sum_g s_g (isum_g - 32 bs_g)`, then `acc = acc + Q * (d_w * d_x)`.
+//!
+//! At one activation row the products are bound by reading the weights, and the hardware
+//! prefetcher alone left each group-block's first loads waiting on memory: every body
+//! prefetches the next group-block's lines as it goes, evenly over its steps.
 //!
 //! Integer sums are exact in any order, and the float operations (separate multiplies and adds,
 //! as [`super::kquant`]) happen in the same order on every path and for every batch size: every
@@ -57,12 +64,17 @@ impl Layout {
 }
 
 const Q4K: Layout = Layout { block: 144, f16s: &[0, 2], chunks: 35 };
+const Q5K: Layout = Layout { block: 176, f16s: &[0, 2], chunks: 43 };
 const Q6K: Layout = Layout { block: 210, f16s: &[208], chunks: 52 };
 
-/// Offsets in a Q4_K group-block: dmin x8, the three scale chunks, the 32 value chunks.
-const Q4K_DMIN: usize = 16;
-const Q4K_SCALES: usize = Q4K.chunk(0);
-const Q4K_QS: usize = Q4K.chunk(3);
+/// Offsets in a Q4_K or Q5_K group-block: dmin x8, the three scale chunks, (Q5_K: the eight
+/// chunks of 5th bits,) the 32 value chunks.
+const K_DMIN: usize = 16;
+const K_SCALES: usize = Q4K.chunk(0);
+const Q5K_QH: usize = Q5K.chunk(3);
+const fn k_qs(five: bool) -> usize {
+    if five { Q5K.chunk(11) } else { Q4K.chunk(3) }
+}
 /// Offsets in a Q6_K group-block: the 4 scale chunks, the 48 value chunks (in the order the
 /// products read them: a group-block streamed from memory front to back).
 const Q6K_SCALES: usize = Q6K.chunk(0);
@@ -74,16 +86,18 @@ const Q6K_BLOCK_SCALES: usize = 192;
 fn layout(dtype: GgmlDType) -> &'static Layout {
     match dtype {
         GgmlDType::Q4K => &Q4K,
+        GgmlDType::Q5K => &Q5K,
         GgmlDType::Q6K => &Q6K,
         other => panic!("{other:?} has no interleaved K-quant layout"),
     }
 }
 
 /// The K-quants held interleaved: their x8 products measured faster than their row kernels at
-/// one activation row and at sixteen (`quant_matvec --k-quants`; Q6_K's row kernel was also
-/// slower than candle's at sixteen).
+/// one activation row and at sixteen (`quant_matvec --k-quants`, and whole decode steps:
+/// docs/performance.md; Q6_K's row kernel was also slower than candle's at sixteen). Q2_K and
+/// Q3_K stay in row layout.
 pub(super) fn holds(dtype: GgmlDType) -> bool {
-    matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K)
+    matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
 }
 
 /// Interleaves the eight blocks `rows` of `dtype` into group-block `out`.
@@ -97,7 +111,7 @@ pub(super) fn pack_block(dtype: GgmlDType, rows: [&[u8]; GROUP], out: &mut [u8])
         for c in 0..l.chunks {
             let lane = &mut out[l.chunk(c) + 4 * r..l.chunk(c) + 4 * r + 4];
             match &values {
-                // Q4_K: GGML's words past d and dmin, in order
+                // Q4_K, Q5_K: GGML's words past d and dmin, in order
                 None => lane.copy_from_slice(&blk[4 + 4 * c..8 + 4 * c]),
                 Some(_) if c < 4 => lane.copy_from_slice(&blk[Q6K_BLOCK_SCALES + 4 * c..Q6K_BLOCK_SCALES + 4 * c + 4]),
                 Some(values) => {
@@ -117,7 +131,7 @@ pub(super) fn unpack_block(dtype: GgmlDType, group: &[u8], r: usize, out: &mut [
         out[at..at + 2].copy_from_slice(&group[16 * i + 2 * r..16 * i + 2 * r + 2]);
     }
     let lane = |c: usize| &group[l.chunk(c) + 4 * r..l.chunk(c) + 4 * r + 4];
-    if dtype == GgmlDType::Q4K {
+    if dtype != GgmlDType::Q6K {
         for c in 0..l.chunks {
             out[4 + 4 * c..8 + 4 * c].copy_from_slice(lane(c));
         }
@@ -183,10 +197,10 @@ pub(super) fn group_dot(path: Path, dtype: GgmlDType, group: &[u8], acts: &[&Act
         // and F16C; the group holds `blocks` group-blocks of `dtype` and every activation row
         // `blocks` blocks (asserted above).
         Path::Avx2 | Path::Avx512Vnni => unsafe {
-            if dtype == GgmlDType::Q4K {
-                x86::group_q4k_avx2(group.as_ptr(), blocks, acts, out)
-            } else {
-                x86::group_q6k_avx2(group.as_ptr(), blocks, acts, out)
+            match dtype {
+                GgmlDType::Q4K => x86::group_q4k_avx2(group.as_ptr(), blocks, acts, out),
+                GgmlDType::Q5K => x86::group_q5k_avx2(group.as_ptr(), blocks, acts, out),
+                _ => x86::group_q6k_avx2(group.as_ptr(), blocks, acts, out),
             }
         },
         #[cfg(not(target_arch = "x86_64"))]
@@ -202,10 +216,10 @@ pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8K], out: &mu
     let gbytes = GROUP * layout(dtype).block;
     for (b, gb) in group.chunks_exact(gbytes).enumerate() {
         for r in 0..GROUP {
-            if dtype == GgmlDType::Q4K {
-                portable_q4k(gb, r, b, acts, out);
-            } else {
-                portable_q6k(gb, r, b, acts, out);
+            match dtype {
+                GgmlDType::Q4K => portable_q4k::<false>(gb, r, b, acts, out),
+                GgmlDType::Q5K => portable_q4k::<true>(gb, r, b, acts, out),
+                _ => portable_q6k(gb, r, b, acts, out),
             }
         }
     }
@@ -229,21 +243,23 @@ fn q4k_scale_words(u0: u32, u1: u32, u2: u32) -> [u32; 4] {
     ]
 }
 
-/// Lane (row) r of Q4_K group-block `gb` (block b) against every activation row, into `out`.
-fn portable_q4k(gb: &[u8], r: usize, b: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
+/// Lane (row) r of Q4_K (Q5_K when `FIVE`) group-block `gb` (block b) against every activation
+/// row, into `out`.
+fn portable_q4k<const FIVE: bool>(gb: &[u8], r: usize, b: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
     let word = |at: usize| u32::from_le_bytes(gb[at..at + 4].try_into().expect("4 bytes"));
-    let (d, dmin) = (f16_at(gb, 2 * r), f16_at(gb, Q4K_DMIN + 2 * r));
-    let [s_lo, s_hi, m_lo, m_hi] = q4k_scale_words(word(Q4K_SCALES + 4 * r), word(Q4K_SCALES + 32 + 4 * r), word(Q4K_SCALES + 64 + 4 * r));
+    let (d, dmin) = (f16_at(gb, 2 * r), f16_at(gb, K_DMIN + 2 * r));
+    let [s_lo, s_hi, m_lo, m_hi] = q4k_scale_words(word(K_SCALES + 4 * r), word(K_SCALES + 32 + 4 * r), word(K_SCALES + 64 + 4 * r));
     let (scales, mins) = ((s_lo as u64 | (s_hi as u64) << 32).to_le_bytes(), (m_lo as u64 | (m_hi as u64) << 32).to_le_bytes());
     // Value 4u + i of sub-blocks 2p (low nibble) and 2p + 1 (high nibble) is byte i of lane r in
-    // chunk 8p + u.
+    // chunk 8p + u; its 5th bit, bit 2p (2p + 1) of byte i of lane r in qh chunk u.
     let mut values = [0i32; QK_K];
     for p in 0..4 {
         for u in 0..8 {
             for i in 0..4 {
-                let byte = gb[Q4K_QS + 32 * (8 * p + u) + 4 * r + i];
-                values[64 * p + 4 * u + i] = (byte & 15) as i32;
-                values[64 * p + 32 + 4 * u + i] = (byte >> 4) as i32;
+                let byte = gb[k_qs(FIVE) + 32 * (8 * p + u) + 4 * r + i];
+                let qh = if FIVE { gb[Q5K_QH + 32 * u + 4 * r + i] as i32 } else { 0 };
+                values[64 * p + 4 * u + i] = (byte & 15) as i32 | ((qh >> (2 * p)) & 1) << 4;
+                values[64 * p + 32 + 4 * u + i] = (byte >> 4) as i32 | ((qh >> (2 * p + 1)) & 1) << 4;
             }
         }
     }
@@ -283,17 +299,18 @@ fn portable_q6k(gb: &[u8], r: usize, b: usize, acts: &[&ActQ8K], out: &mut [[f32
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{ActQ8K, GROUP, Q4K, Q4K_DMIN, Q4K_QS, Q4K_SCALES, Q6K, Q6K_SCALES, Q6K_VALUES, QK_K};
+    use super::{ActQ8K, GROUP, K_DMIN, K_SCALES, Q5K_QH, Q6K, Q6K_SCALES, Q6K_VALUES, QK_K, k_qs, layout};
+    use candle_core::quantized::GgmlDType;
 
     /// Calls `$body::<R>` with `R` the number of activation rows (1 to 4), so that each batch
     /// size gets its own unrolled body.
     macro_rules! by_rows {
-        ($body:ident, $group:expr, $blocks:expr, $acts:expr, $out:expr) => {
+        ($body:ident $(::<$five:literal>)?, $group:expr, $blocks:expr, $acts:expr, $out:expr) => {
             match $acts.len() {
-                1 => $body::<1>($group, $blocks, [$acts[0]], $out),
-                2 => $body::<2>($group, $blocks, [$acts[0], $acts[1]], $out),
-                3 => $body::<3>($group, $blocks, [$acts[0], $acts[1], $acts[2]], $out),
-                _ => $body::<4>($group, $blocks, [$acts[0], $acts[1], $acts[2], $acts[3]], $out),
+                1 => $body::<$($five,)? 1>($group, $blocks, [$acts[0]], $out),
+                2 => $body::<$($five,)? 2>($group, $blocks, [$acts[0], $acts[1]], $out),
+                3 => $body::<$($five,)? 3>($group, $blocks, [$acts[0], $acts[1], $acts[2]], $out),
+                _ => $body::<$($five,)? 4>($group, $blocks, [$acts[0], $acts[1], $acts[2], $acts[3]], $out),
             }
         };
     }
@@ -306,7 +323,17 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn group_q4k_avx2(group: *const u8, blocks: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
         // SAFETY: forwarded contract; each arm passes exactly its number of rows.
-        unsafe { by_rows!(body_q4k, group, blocks, acts, out) }
+        unsafe { by_rows!(body_q4k::<false>, group, blocks, acts, out) }
+    }
+
+    /// Eight interleaved Q5_K rows against `acts` (1 to 4 Q8_K rows): `out[j][r]`.
+    ///
+    /// # Safety
+    /// As [`group_q4k_avx2`], for Q5_K group-blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn group_q5k_avx2(group: *const u8, blocks: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
+        // SAFETY: forwarded contract; each arm passes exactly its number of rows.
+        unsafe { by_rows!(body_q4k::<true>, group, blocks, acts, out) }
     }
 
     /// Eight interleaved Q6_K rows against `acts` (1 to 4 Q8_K rows): `out[j][r]`.
@@ -343,6 +370,35 @@ mod x86 {
         unsafe { _mm256_set1_epi32(at.cast::<i32>().read_unaligned()) }
     }
 
+    /// Bit `bit` (0..8) of every byte of `v` moved to bit 4, for a mask of 0x10 (what the 16-bit
+    /// shifts carry across bytes lands elsewhere: in bits 0..4 or 5..8).
+    #[inline(always)]
+    unsafe fn bit_to_4(v: __m256i, bit: usize) -> __m256i {
+        // SAFETY: AVX2 is enabled by every caller.
+        unsafe {
+            match bit {
+                0 => _mm256_slli_epi16::<4>(v),
+                1 => _mm256_slli_epi16::<3>(v),
+                2 => _mm256_slli_epi16::<2>(v),
+                3 => _mm256_slli_epi16::<1>(v),
+                4 => v,
+                5 => _mm256_srli_epi16::<1>(v),
+                6 => _mm256_srli_epi16::<2>(v),
+                _ => _mm256_srli_epi16::<3>(v),
+            }
+        }
+    }
+
+    /// Prefetches cache lines `first..first + count` from `at` (a prefetch never faults, so the
+    /// lines need not be inside anything: past a matrix's last group-block they are wasted).
+    #[inline(always)]
+    unsafe fn prefetch_lines(at: *const u8, first: usize, count: usize) {
+        for line in first..first + count {
+            // SAFETY: a prefetch reads nothing architecturally; SSE is in the x86-64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64 * line).cast()) }
+        }
+    }
+
     /// The i16 pair `(a, c)` in every 32-bit lane.
     #[inline(always)]
     unsafe fn pair(a: i16, c: i16) -> __m256i {
@@ -350,13 +406,15 @@ mod x86 {
         unsafe { _mm256_set1_epi32((a as u16 as u32 | (c as u16 as u32) << 16) as i32) }
     }
 
-    /// The lane-wise Q4_K products of `R` activation rows with one group's eight rows (the lanes
-    /// of [`super::portable_q4k`]).
+    /// The lane-wise Q4_K (Q5_K when `FIVE`) products of `R` activation rows with one group's
+    /// eight rows (the lanes of [`super::portable_q4k`]).
     ///
     /// # Safety
-    /// As [`group_q4k_avx2`], with `R` equal to the number of rows of `out`.
+    /// As [`group_q4k_avx2`] (Q5_K group-blocks when `FIVE`), with `R` equal to the number of
+    /// rows of `out`.
     #[inline(always)]
-    unsafe fn body_q4k<const R: usize>(group: *const u8, blocks: usize, acts: [&ActQ8K; R], out: &mut [[f32; GROUP]]) {
+    unsafe fn body_q4k<const FIVE: bool, const R: usize>(group: *const u8, blocks: usize, acts: [&ActQ8K; R], out: &mut [[f32; GROUP]]) {
+        let gbytes = GROUP * layout(if FIVE { GgmlDType::Q5K } else { GgmlDType::Q4K }).block;
         // SAFETY (whole block): AVX2, FMA and F16C are enabled by every caller; group-block
         // b < blocks is in bounds of `group`, and activation bytes b * 256 + 256, sums
         // b * 16 + 16 and scale b of every row (the caller's contract); every load is unaligned.
@@ -364,16 +422,17 @@ mod x86 {
             let low4 = _mm256_set1_epi8(0x0F);
             let (six, four, two) = (_mm256_set1_epi32(0x3f3f_3f3f), _mm256_set1_epi32(0x0f0f_0f0f), _mm256_set1_epi32(0x0303_0303));
             let even_bytes = _mm256_set1_epi32(0x00ff_00ff);
+            let bit4 = _mm256_set1_epi8(0x10);
             let pick = byte_picks(false);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..blocks {
-                let gb = group.add(b * GROUP * Q4K.block);
+                let gb = group.add(b * gbytes);
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(gb.cast()));
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(Q4K_DMIN).cast()));
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(K_DMIN).cast()));
                 // `super::q4k_scale_words`, lane by lane
-                let u0 = _mm256_loadu_si256(gb.add(Q4K_SCALES).cast());
-                let u1 = _mm256_loadu_si256(gb.add(Q4K_SCALES + 32).cast());
-                let u2 = _mm256_loadu_si256(gb.add(Q4K_SCALES + 64).cast());
+                let u0 = _mm256_loadu_si256(gb.add(K_SCALES).cast());
+                let u1 = _mm256_loadu_si256(gb.add(K_SCALES + 32).cast());
+                let u2 = _mm256_loadu_si256(gb.add(K_SCALES + 64).cast());
                 let s_lo = _mm256_and_si256(u0, six);
                 let s_hi = _mm256_or_si256(_mm256_and_si256(u2, four), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), two), 4));
                 let m_lo = _mm256_and_si256(u1, six);
@@ -384,25 +443,39 @@ mod x86 {
                 let x = acts.map(|a| a.qs.as_ptr().add(b * QK_K));
                 let mut q = [_mm256_setzero_si256(); R];
                 for p in 0..4 {
-                    // sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles): i16 pair sums of
-                    // eight chunks, at most 8 * 2 * 15 * 128 = 30720 in magnitude
-                    let mut lo_pairs = [_mm256_setzero_si256(); R];
-                    let mut hi_pairs = [_mm256_setzero_si256(); R];
-                    for u in 0..8 {
-                        let chunk = _mm256_loadu_si256(gb.add(Q4K_QS + 32 * (8 * p + u)).cast());
-                        let lo = _mm256_and_si256(chunk, low4);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4);
-                        for j in 0..R {
-                            let at = x[j].add(64 * p + 4 * u);
-                            lo_pairs[j] = _mm256_add_epi16(lo_pairs[j], _mm256_maddubs_epi16(lo, broadcast4(at)));
-                            hi_pairs[j] = _mm256_add_epi16(hi_pairs[j], _mm256_maddubs_epi16(hi, broadcast4(at.add(32))));
+                    // sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles): i16 pair sums of a
+                    // span of chunks, eight of 4-bit values (at most 8 * 2 * 15 * 128 = 30720
+                    // in magnitude) or four of 5-bit ones (4 * 2 * 31 * 128 = 31744)
+                    let span = if FIVE { 4 } else { 8 };
+                    for half in 0..8 / span {
+                        // the next group-block's lines (Q4_K 18, Q5_K 22), evenly over the spans
+                        let spans = 4 * (8 / span);
+                        let each = (gbytes / 64).div_ceil(spans);
+                        prefetch_lines(gb.wrapping_add(gbytes), each * (p * (8 / span) + half), each);
+                        let mut lo_pairs = [_mm256_setzero_si256(); R];
+                        let mut hi_pairs = [_mm256_setzero_si256(); R];
+                        for v in 0..span {
+                            let u = half * span + v;
+                            let chunk = _mm256_loadu_si256(gb.add(k_qs(FIVE) + 32 * (8 * p + u)).cast());
+                            let mut lo = _mm256_and_si256(chunk, low4);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low4);
+                            if FIVE {
+                                let qh = _mm256_loadu_si256(gb.add(Q5K_QH + 32 * u).cast());
+                                lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to_4(qh, 2 * p), bit4));
+                                hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to_4(qh, 2 * p + 1), bit4));
+                            }
+                            for j in 0..R {
+                                let at = x[j].add(64 * p + 4 * u);
+                                lo_pairs[j] = _mm256_add_epi16(lo_pairs[j], _mm256_maddubs_epi16(lo, broadcast4(at)));
+                                hi_pairs[j] = _mm256_add_epi16(hi_pairs[j], _mm256_maddubs_epi16(hi, broadcast4(at.add(32))));
+                            }
                         }
-                    }
-                    let words = if p < 2 { s_lo } else { s_hi };
-                    let sc_lo = _mm256_shuffle_epi8(words, pick[(2 * p) % 4]);
-                    let sc_hi = _mm256_shuffle_epi8(words, pick[(2 * p + 1) % 4]);
-                    for j in 0..R {
-                        q[j] = _mm256_add_epi32(q[j], _mm256_add_epi32(_mm256_madd_epi16(lo_pairs[j], sc_lo), _mm256_madd_epi16(hi_pairs[j], sc_hi)));
+                        let words = if p < 2 { s_lo } else { s_hi };
+                        let sc_lo = _mm256_shuffle_epi8(words, pick[(2 * p) % 4]);
+                        let sc_hi = _mm256_shuffle_epi8(words, pick[(2 * p + 1) % 4]);
+                        for j in 0..R {
+                            q[j] = _mm256_add_epi32(q[j], _mm256_add_epi32(_mm256_madd_epi16(lo_pairs[j], sc_lo), _mm256_madd_epi16(hi_pairs[j], sc_hi)));
+                        }
                     }
                 }
                 // the mins as i16: (m0, m2), (m1, m3), (m4, m6), (m5, m7) in each lane
@@ -458,6 +531,8 @@ mod x86 {
                 let mut q = [_mm256_setzero_si256(); R];
                 for h in 0..2 {
                     for i in (0..8).step_by(2) {
+                        // the next group-block's 27 lines, four an iteration
+                        prefetch_lines(gb.wrapping_add(GROUP * Q6K.block), 4 * (4 * h + i / 2), 4);
                         // value chunks 3(8h + i) + j for i and i + 1: the values
                         // 128h + 32t + 4i..+8 for every t, in w[t][0] and w[t][1]
                         let mut w = [[_mm256_setzero_si256(); 2]; 4];
@@ -520,7 +595,7 @@ mod tests {
     use super::*;
     use crate::test_values::{assert_within_activation_rounding, blocks, values};
 
-    const FORMATS: [GgmlDType; 2] = [GgmlDType::Q4K, GgmlDType::Q6K];
+    const FORMATS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
 
     /// Packing keeps the size, `unpack` and `row` invert it, on several 256-blocks and row
     /// counts around the group size.

@@ -6,7 +6,7 @@
 //! - [`kquant`]: the integer dot products of K-quant rows (Q2_K..Q6_K) with Q8_K activations.
 //! - [`interleaved`]: the resident layout of the 32-value block formats, eight rows
 //!   interleaved, and its products.
-//! - [`interleaved_k`]: the same layout's group-blocks and products for Q4_K and Q6_K.
+//! - [`interleaved_k`]: the same layout's group-blocks and products for Q4_K, Q5_K and Q6_K.
 
 pub mod formats;
 pub mod interleaved;
