@@ -96,7 +96,7 @@ fn layout(dtype: GgmlDType) -> &'static Layout {
 /// one activation row and at sixteen (`quant_matvec --k-quants`, and whole decode steps:
 /// docs/performance.md; Q6_K's row kernel was also slower than candle's at sixteen). Q2_K and
 /// Q3_K stay in row layout.
-pub(super) fn holds(dtype: GgmlDType) -> bool {
+pub fn holds(dtype: GgmlDType) -> bool {
     matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
 }
 
