@@ -45,7 +45,7 @@ use rayon::prelude::*;
 
 use super::formats::row_bytes;
 use super::kernels::{self, ActQ8, Path, quantize_act};
-use super::interleaved_k;
+use super::interleaved_k::{self, KQuant};
 use super::kquant::{ActQ8K, quantize_act_k};
 use crate::output::Output;
 
@@ -63,10 +63,10 @@ const PAIR_ROWS: usize = 8;
 const QK: usize = 32;
 
 /// The formats held interleaved (resident): the model packs every one of them (the K-quants
-/// of [`interleaved_k::holds`] among them).
+/// of [`KQuant`] among them).
 pub fn packable(dtype: GgmlDType) -> bool {
     use GgmlDType::*;
-    matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0) || interleaved_k::holds(dtype)
+    matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0) || KQuant::of(dtype).is_some()
 }
 
 /// Where the parts of a format's blocks are: in a GGML block and in a group-block.
@@ -185,8 +185,8 @@ pub fn pack(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8>
         for b in 0..blocks {
             let rows = std::array::from_fn(|r| &bytes[(g * GROUP + r) * rb + b * ts..(g * GROUP + r) * rb + (b + 1) * ts]);
             let out = &mut out[b * gbytes..(b + 1) * gbytes];
-            if interleaved_k::holds(dtype) {
-                interleaved_k::pack_block(dtype, rows, out);
+            if let Some(kq) = KQuant::of(dtype) {
+                interleaved_k::pack_block(kq, rows, out);
             } else {
                 pack_block(Parts::of(dtype), rows, out);
             }
@@ -211,8 +211,8 @@ pub fn row(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8], row: usize
     let mut out = vec![0u8; rb];
     for (b, blk) in out.chunks_exact_mut(ts).enumerate() {
         let group = &group[b * gbytes..(b + 1) * gbytes];
-        if interleaved_k::holds(dtype) {
-            interleaved_k::unpack_block(dtype, group, r, blk);
+        if let Some(kq) = KQuant::of(dtype) {
+            interleaved_k::unpack_block(kq, group, r, blk);
         } else {
             unpack_block(Parts::of(dtype), group, r, blk);
         }
@@ -235,12 +235,12 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     if m == 0 {
         return Vec::new();
     }
-    let k_quant = interleaved_k::holds(dtype);
+    let k_quant = KQuant::of(dtype);
     // The rows of a batch are quantized in parallel: done serially they were a tenth of a
     // 16-row Q8_0 product, with the other thread idle.
-    let acts: Vec<ActQ8> = if k_quant { Vec::new() } else { x.par_chunks_exact(k).map(quantize_act).collect() };
+    let acts: Vec<ActQ8> = if k_quant.is_some() { Vec::new() } else { x.par_chunks_exact(k).map(quantize_act).collect() };
     let acts: Vec<&ActQ8> = acts.iter().collect();
-    let acts_k: Vec<ActQ8K> = if k_quant { x.par_chunks_exact(k).map(quantize_act_k).collect() } else { Vec::new() };
+    let acts_k: Vec<ActQ8K> = if k_quant.is_some() { x.par_chunks_exact(k).map(quantize_act_k).collect() } else { Vec::new() };
     let acts_k: Vec<&ActQ8K> = acts_k.iter().collect();
     let groups = n / GROUP;
     let grouped_rows = groups * GROUP;
@@ -248,7 +248,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     let mut values = Vec::with_capacity(m * n);
     let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
     // 512-bit vectors take two groups at once (a group's eight rows in each half).
-    let pairs = path == Path::Avx512Vnni && !k_quant;
+    let pairs = path == Path::Avx512Vnni && k_quant.is_none();
     (0..groups.div_ceil(GROUPS_PER_TASK)).into_par_iter().for_each(|task| {
         let end = ((task + 1) * GROUPS_PER_TASK).min(groups);
         let mut g = task * GROUPS_PER_TASK;
@@ -269,7 +269,10 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
                 } else {
                     let take = (m - done).min(4);
                     let mut sums = [[0f32; GROUP]; 4];
-                    let batch = if k_quant { Acts::K(&acts_k[done..done + take]) } else { Acts::Q8(&acts[done..done + take]) };
+                    let batch = match k_quant {
+                        Some(kq) => Acts::K(kq, &acts_k[done..done + take]),
+                        None => Acts::Q8(&acts[done..done + take]),
+                    };
                     group_dot(path, dtype, groups_bytes, batch, &mut sums[..take]);
                     // SAFETY: as above, for the one group g.
                     unsafe { store(out, g * GROUP, done, &sums[..take]) };
@@ -311,7 +314,7 @@ unsafe fn store<const L: usize>(out: Output, first_col: usize, first_row: usize,
 #[derive(Clone, Copy)]
 enum Acts<'a> {
     Q8(&'a [&'a ActQ8]),
-    K(&'a [&'a ActQ8K]),
+    K(KQuant, &'a [&'a ActQ8K]),
 }
 
 /// One group's eight rows against up to four activation rows: `out[j][r]` is row r dotted with
@@ -320,7 +323,7 @@ enum Acts<'a> {
 fn group_dot(path: Path, dtype: GgmlDType, group: &[u8], acts: Acts, out: &mut [[f32; GROUP]]) {
     let acts = match acts {
         Acts::Q8(acts) => acts,
-        Acts::K(acts) => return interleaved_k::group_dot(path, dtype, group, acts, out),
+        Acts::K(kq, acts) => return interleaved_k::group_dot(path, kq, group, acts, out),
     };
     let blocks = acts[0].d.len();
     assert!(acts.len() <= 4 && acts.len() == out.len());
@@ -789,6 +792,16 @@ pub(super) mod tests {
         }
     }
 
+    /// Runs `check` on every path this CPU has (the portable one among them) and says which ran.
+    pub(in crate::quant) fn on_every_path(what: &str, check: impl Fn(Path)) {
+        let ran: Vec<Path> = Path::ALL.into_iter().filter(|p| p.available()).collect();
+        assert!(ran.contains(&Path::Portable));
+        for &path in &ran {
+            check(path);
+        }
+        eprintln!("{what} paths tested on this CPU: {ran:?}");
+    }
+
     /// The x8 product of `bytes` (`[n, k]` of `dtype`) with `x` (`[m, k]`) on `path`, checked
     /// element by element: a grouped row equals the portable reference bit for bit, `more(at,
     /// i, j, got, reference, tail)` adds the caller's checks (`tail`: a row past the last whole
@@ -830,9 +843,7 @@ pub(super) mod tests {
     /// a row's result is the same alone or in a batch.
     #[test]
     fn every_path_equals_the_reference_and_the_dequantized_product() {
-        let mut ran = Vec::new();
-        for path in Path::ALL.into_iter().filter(|p| p.available()) {
-            ran.push(path);
+        on_every_path("interleaved kernel", |path| {
             for dtype in FORMATS {
                 for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (7, 64, 40), (9, 1536, 8), (13, 96, 32)] {
                     let bytes = blocks(dtype, n, k, (m * k + n) as u64);
@@ -846,8 +857,6 @@ pub(super) mod tests {
                     });
                 }
             }
-        }
-        assert!(ran.contains(&Path::Portable));
-        eprintln!("interleaved kernel paths tested on this CPU: {ran:?}");
+        });
     }
 }

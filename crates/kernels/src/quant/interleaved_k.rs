@@ -83,31 +83,45 @@ const Q6K_VALUES: usize = Q6K.chunk(4);
 const Q6K_QH: usize = 128;
 const Q6K_BLOCK_SCALES: usize = 192;
 
-fn layout(dtype: GgmlDType) -> &'static Layout {
-    match dtype {
-        GgmlDType::Q4K => &Q4K,
-        GgmlDType::Q5K => &Q5K,
-        GgmlDType::Q6K => &Q6K,
-        other => panic!("{other:?} has no interleaved K-quant layout"),
+/// A K-quant held interleaved: their x8 products measured faster than their row kernels at one
+/// activation row and at sixteen (`quant_matvec --k-quants`, and whole decode steps:
+/// docs/performance.md; Q6_K's row kernel was also slower than candle's at sixteen). Q2_K and
+/// Q3_K stay in row layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KQuant {
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl KQuant {
+    /// The format `dtype` held interleaved, or None (not a K-quant, or one in row layout).
+    pub fn of(dtype: GgmlDType) -> Option<KQuant> {
+        match dtype {
+            GgmlDType::Q4K => Some(KQuant::Q4K),
+            GgmlDType::Q5K => Some(KQuant::Q5K),
+            GgmlDType::Q6K => Some(KQuant::Q6K),
+            _ => None,
+        }
+    }
+
+    fn layout(self) -> &'static Layout {
+        match self {
+            KQuant::Q4K => &Q4K,
+            KQuant::Q5K => &Q5K,
+            KQuant::Q6K => &Q6K,
+        }
     }
 }
 
-/// The K-quants held interleaved: their x8 products measured faster than their row kernels at
-/// one activation row and at sixteen (`quant_matvec --k-quants`, and whole decode steps:
-/// docs/performance.md; Q6_K's row kernel was also slower than candle's at sixteen). Q2_K and
-/// Q3_K stay in row layout.
-pub fn holds(dtype: GgmlDType) -> bool {
-    matches!(dtype, GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
-}
-
-/// Interleaves the eight blocks `rows` of `dtype` into group-block `out`.
-pub(super) fn pack_block(dtype: GgmlDType, rows: [&[u8]; GROUP], out: &mut [u8]) {
-    let l = layout(dtype);
+/// Interleaves the eight blocks `rows` of format `kq` into group-block `out`.
+pub(super) fn pack_block(kq: KQuant, rows: [&[u8]; GROUP], out: &mut [u8]) {
+    let l = kq.layout();
     for (r, blk) in rows.iter().enumerate() {
         for (i, &at) in l.f16s.iter().enumerate() {
             out[16 * i + 2 * r..16 * i + 2 * r + 2].copy_from_slice(&blk[at..at + 2]);
         }
-        let values = (dtype == GgmlDType::Q6K).then(|| q6k_values(blk));
+        let values = (kq == KQuant::Q6K).then(|| q6k_values(blk));
         for c in 0..l.chunks {
             let lane = &mut out[l.chunk(c) + 4 * r..l.chunk(c) + 4 * r + 4];
             match &values {
@@ -125,13 +139,13 @@ pub(super) fn pack_block(dtype: GgmlDType, rows: [&[u8]; GROUP], out: &mut [u8])
 }
 
 /// Row `r`'s block out of group-block `group` (the inverse of [`pack_block`]).
-pub(super) fn unpack_block(dtype: GgmlDType, group: &[u8], r: usize, out: &mut [u8]) {
-    let l = layout(dtype);
+pub(super) fn unpack_block(kq: KQuant, group: &[u8], r: usize, out: &mut [u8]) {
+    let l = kq.layout();
     for (i, &at) in l.f16s.iter().enumerate() {
         out[at..at + 2].copy_from_slice(&group[16 * i + 2 * r..16 * i + 2 * r + 2]);
     }
     let lane = |c: usize| &group[l.chunk(c) + 4 * r..l.chunk(c) + 4 * r + 4];
-    if dtype != GgmlDType::Q6K {
+    if kq != KQuant::Q6K {
         for c in 0..l.chunks {
             out[4 + 4 * c..8 + 4 * c].copy_from_slice(lane(c));
         }
@@ -180,46 +194,46 @@ fn q6k_lane_values(byte: impl Fn(usize, usize) -> u8) -> [u8; QK_K] {
     values
 }
 
-/// One group's eight rows (`group`: group-blocks of `dtype`) against up to four Q8_K activation
+/// One group's eight rows (`group`: group-blocks of format `kq`) against up to four Q8_K activation
 /// rows: `out[j][r]` is row r dotted with activation row j. The one place a path is taken for
 /// these formats.
-pub(super) fn group_dot(path: Path, dtype: GgmlDType, group: &[u8], acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
+pub(super) fn group_dot(path: Path, kq: KQuant, group: &[u8], acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
     let blocks = acts[0].d.len();
     assert!(acts.len() <= 4 && acts.len() == out.len());
-    assert!(group.len() == blocks * GROUP * layout(dtype).block);
+    assert!(group.len() == blocks * GROUP * kq.layout().block);
     assert!(acts.iter().all(|a| a.d.len() == blocks && a.bsums.len() == blocks * 16 && a.qs.len() == blocks * QK_K));
     match path {
-        Path::Portable => group_portable(dtype, group, acts, out),
+        Path::Portable => group_portable(kq, group, acts, out),
         // The VNNI path runs the AVX2 body, as `kquant`'s does (no AVX-512 CPU to test a
         // `vpdpbusd` body on; the integer lanes, hence the results, would be the same).
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `interleaved::matmul` asserted this CPU has the path, which includes AVX2, FMA
-        // and F16C; the group holds `blocks` group-blocks of `dtype` and every activation row
+        // and F16C; the group holds `blocks` group-blocks of `kq` and every activation row
         // `blocks` blocks (asserted above).
         Path::Avx2 | Path::Avx512Vnni => unsafe {
-            match dtype {
-                GgmlDType::Q4K => x86::group_q4k_avx2(group.as_ptr(), blocks, acts, out),
-                GgmlDType::Q5K => x86::group_q5k_avx2(group.as_ptr(), blocks, acts, out),
-                _ => x86::group_q6k_avx2(group.as_ptr(), blocks, acts, out),
+            match kq {
+                KQuant::Q4K => x86::group_q4k_avx2(group.as_ptr(), blocks, acts, out),
+                KQuant::Q5K => x86::group_q5k_avx2(group.as_ptr(), blocks, acts, out),
+                KQuant::Q6K => x86::group_q6k_avx2(group.as_ptr(), blocks, acts, out),
             }
         },
         #[cfg(not(target_arch = "x86_64"))]
-        _ => group_portable(dtype, group, acts, out),
+        _ => group_portable(kq, group, acts, out),
     }
 }
 
 /// The scalar reference of the x8 products, which every SIMD path computes lane by lane.
-pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
+pub fn group_portable(kq: KQuant, group: &[u8], acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
     for o in out.iter_mut() {
         *o = [0.0; GROUP];
     }
-    let gbytes = GROUP * layout(dtype).block;
+    let gbytes = GROUP * kq.layout().block;
     for (b, gb) in group.chunks_exact(gbytes).enumerate() {
         for r in 0..GROUP {
-            match dtype {
-                GgmlDType::Q4K => portable_q4k::<false>(gb, r, b, acts, out),
-                GgmlDType::Q5K => portable_q4k::<true>(gb, r, b, acts, out),
-                _ => portable_q6k(gb, r, b, acts, out),
+            match kq {
+                KQuant::Q4K => portable_q4k::<false>(gb, r, b, acts, out),
+                KQuant::Q5K => portable_q4k::<true>(gb, r, b, acts, out),
+                KQuant::Q6K => portable_q6k(gb, r, b, acts, out),
             }
         }
     }
@@ -299,8 +313,7 @@ fn portable_q6k(gb: &[u8], r: usize, b: usize, acts: &[&ActQ8K], out: &mut [[f32
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{ActQ8K, GROUP, K_DMIN, K_SCALES, Q5K_QH, Q6K, Q6K_SCALES, Q6K_VALUES, QK_K, k_qs, layout};
-    use candle_core::quantized::GgmlDType;
+    use super::{ActQ8K, GROUP, K_DMIN, K_SCALES, Q4K, Q5K, Q5K_QH, Q6K, Q6K_SCALES, Q6K_VALUES, QK_K, k_qs};
 
     /// Calls `$body::<R>` with `R` the number of activation rows (1 to 4), so that each batch
     /// size gets its own unrolled body.
@@ -414,7 +427,7 @@ mod x86 {
     /// rows of `out`.
     #[inline(always)]
     unsafe fn body_q4k<const FIVE: bool, const R: usize>(group: *const u8, blocks: usize, acts: [&ActQ8K; R], out: &mut [[f32; GROUP]]) {
-        let gbytes = GROUP * layout(if FIVE { GgmlDType::Q5K } else { GgmlDType::Q4K }).block;
+        let gbytes = GROUP * if FIVE { Q5K.block } else { Q4K.block };
         // SAFETY (whole block): AVX2, FMA and F16C are enabled by every caller; group-block
         // b < blocks is in bounds of `group`, and activation bytes b * 256 + 256, sums
         // b * 16 + 16 and scale b of every row (the caller's contract); every load is unaligned.
@@ -589,7 +602,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::super::formats::dequantize;
-    use super::super::interleaved::tests::{check_packing, check_products};
+    use super::super::interleaved::tests::{check_packing, check_products, on_every_path};
     use super::super::interleaved::{matmul, pack};
     use super::super::kernels;
     use super::*;
@@ -612,9 +625,7 @@ mod tests {
     /// value: within 0.01 |w| |x| for these inputs, as `kquant`'s tests).
     #[test]
     fn every_path_equals_the_reference_and_the_dequantized_product() {
-        let mut ran = Vec::new();
-        for path in Path::ALL.into_iter().filter(|p| p.available()) {
-            ran.push(path);
+        on_every_path("K-quant interleaved", |path| {
             for dtype in FORMATS {
                 let shapes = [(1, 256, 8), (1, 512, 37), (2, 768, 16), (3, 1280, 19), (4, 256, 24), (5, 512, 33), (6, 256, 8), (7, 512, 9), (8, 768, 15), (9, 2048, 17)];
                 for &(m, k, n) in &shapes {
@@ -632,9 +643,7 @@ mod tests {
                     });
                 }
             }
-        }
-        assert!(ran.contains(&Path::Portable));
-        eprintln!("K-quant interleaved paths tested on this CPU: {ran:?}");
+        });
     }
 
     /// Edge cases: all-zero activations give zeros; a single large activation (the others round
