@@ -95,33 +95,6 @@ os.replace(target + ".part", target)
     Some(gguf)
 }
 
-/// Deterministic, varied strings: words, digits, punctuation, whitespace runs, accents, CJK,
-/// emoji, code and the special tokens, in random mixtures.
-fn varied_strings(count: usize) -> Vec<String> {
-    const PIECES: &[&str] = &[
-        "the", " the", "The", "  ", "\n", "\n\n", "\t", " ", "hello", " world", "Hello,", " World!", "123", "4567", " 89",
-        "3.14159", "1,000,000", "'s", "'t", "'re", "'ve", "'m", "'ll", "'d", " don't", "I'm", "?", "!", "...", "—", "–",
-        "é", "café", " naïve", "Ünïcödé", "日本語", "中文字符", "한국어", "🙂", "👍🏽", "🤗", "∑", "→", "\u{a0}", "\r\n",
-        "fn main() {", "}", "    return x;", "def f(x):", "<html>", "</div>", "{\"key\": [1, 2]}", "http://example.com/a?b=c",
-        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>", "user", "assistant", "system",
-        "SmolLM", "tokenization", " antidisestablishmentarianism", "ALLCAPS", "camelCaseWord", "snake_case_word", "$", "%",
-        "#", "@", "&&", "||", "==", "!=", "<=", ">=", "\\", "/", "_", "-", "+", "=", "*", "^", "~", "`", "|", "(", ")", "[", "]",
-    ];
-    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
-    (0..count)
-        .map(|_| {
-            let len = 1 + (next() % 24) as usize;
-            (0..len).map(|_| PIECES[(next() % PIECES.len() as u64) as usize]).collect::<String>()
-        })
-        .collect()
-}
-
 /// The tokenizer built from GGUF metadata encodes (and decodes) exactly like transformers'.
 #[test]
 fn tokenizer_from_metadata_matches_transformers() {
@@ -130,7 +103,7 @@ fn tokenizer_from_metadata_matches_transformers() {
     let ours = gguf_tokenizer::tokenizer(&file).unwrap();
     let reference = Tokenizer::from_file(common::fixture("smollm2_135m").join("tokenizer.json")).unwrap();
     assert_eq!(ours.get_vocab_size(true), reference.get_vocab_size(true));
-    let mut strings = varied_strings(3000);
+    let mut strings = common::varied_strings(3000);
     strings.push(expected()["prompts"][0]["prompt_text"].as_str().unwrap().to_owned());
     for text in &strings {
         for special in [false, true] {

@@ -18,67 +18,16 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use minijinja::Value as TemplateValue;
 use serde_json::Value;
-use tpserve::coordinator::chat_template::{ChatMessage, ChatTemplate, FunctionCall, TemplateInputs, ToolCall};
+use tpserve::coordinator::chat_template::ChatTemplate;
 use tpserve::coordinator::detokenizer::IncrementalDecoder;
 use tpserve::coordinator::{pyjson, tools};
 use tpserve::net::{self, Address};
 use tpserve::proto::v1 as pb;
 use tpserve::proto::v1::generator_client::GeneratorClient;
 
-fn oracle_dir() -> PathBuf {
-    common::fixture("qwen3_chat")
-}
+use common::qwen3_chat::{CASES, case, inputs, messages, oracle, oracle_dir, reference_ids, text};
 
-/// The oracle's cases, parsed into template values so that maps keep their order.
-fn oracle() -> TemplateValue {
-    pyjson::parse(&std::fs::read_to_string(oracle_dir().join("expected.json")).unwrap()).unwrap()
-}
-
-fn case(name: &str) -> TemplateValue {
-    let cases = oracle().get_attr("cases").unwrap();
-    cases.try_iter().unwrap().find(|c| c.get_attr("name").unwrap().as_str() == Some(name)).unwrap()
-}
-
-fn text(value: &TemplateValue, key: &str) -> Option<String> {
-    value.get_attr(key).ok().and_then(|v| v.as_str().map(str::to_owned))
-}
-
-fn reference_ids(case: &TemplateValue) -> Vec<u32> {
-    case.get_attr("ids").unwrap().try_iter().unwrap().map(|id| u32::try_from(id).unwrap()).collect()
-}
-
-fn messages(case: &TemplateValue) -> Vec<ChatMessage> {
-    let messages = case.get_attr("messages").unwrap();
-    messages
-        .try_iter()
-        .unwrap()
-        .map(|m| {
-            let mut message = ChatMessage::new(text(&m, "role").unwrap(), text(&m, "content").unwrap());
-            if let Ok(calls) = m.get_attr("tool_calls").and_then(|c| c.try_iter().map(|i| i.collect::<Vec<_>>())) {
-                message.tool_calls = calls
-                    .iter()
-                    .map(|call| {
-                        let function = call.get_attr("function").unwrap();
-                        let (name, arguments) = (text(&function, "name").unwrap(), function.get_attr("arguments").unwrap());
-                        ToolCall { id: String::new(), kind: "function".into(), function: FunctionCall { name, arguments } }
-                    })
-                    .collect();
-            }
-            message
-        })
-        .collect()
-}
-
-fn inputs(case: &TemplateValue) -> TemplateInputs {
-    let tools = case.get_attr("tools").ok().filter(|t| !t.is_undefined());
-    let kwargs = case.get_attr("kwargs").unwrap();
-    let kwargs = kwargs.try_iter().unwrap().map(|k| (k.to_string(), kwargs.get_item(&k).unwrap())).collect();
-    TemplateInputs { tools, kwargs }
-}
-
-const CASES: [&str; 5] = ["plain", "no_thinking", "tools", "tool_round_trip", "multi_turn_thinking"];
 
 /// Every case renders to transformers' string, and that string tokenizes to its ids.
 #[test]

@@ -1,9 +1,10 @@
 //! The tokenizer and chat template of a GGUF file, built from its metadata.
 //!
-//! GGUF stores a GPT-2 style byte-level BPE as `tokenizer.ggml.{tokens,merges,token_type}`.
-//! We write the tokenizer.json transformers' GGUF converter would produce (byte-level BPE,
-//! GPT-2 regex pre-tokenizer, control tokens as special added tokens) and let `tokenizers`
-//! parse it, so encoding matches transformers exactly.
+//! GGUF stores a GPT-2 style byte-level BPE as `tokenizer.ggml.{tokens,merges,token_type}`,
+//! and names the text splitting before it in `tokenizer.ggml.pre`. We write the tokenizer.json
+//! transformers' GGUF converter would produce (byte-level BPE, the pre-tokenizer that name
+//! stands for, control tokens as special added tokens) and let `tokenizers` parse it, so
+//! encoding matches transformers exactly.
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
@@ -16,12 +17,46 @@ use crate::model::gguf::GgufFile;
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
+/// Qwen2's split (Qwen2.5, Qwen3): GPT-2's, but contractions in any case, one digit per piece,
+/// and a letter run may take one leading non-letter, non-digit character.
+const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The normalizer, pre-tokenizer and decoder of the split `tokenizer.ggml.pre` names, as the
+/// model's own tokenizer.json has them (transformers' GGUF converter builds the same).
+fn pre_tokenization(pre: Option<&str>, add_prefix_space: bool) -> Result<(Value, Value, Value)> {
+    match pre {
+        // GPT-2's regex inside the byte-level step. "smollm" is here because transformers
+        // builds SmolLM2's tokenizer so from its GGUF (the reference of tests/smollm2.rs).
+        None | Some("default" | "gpt2" | "gpt-2" | "smollm") => Ok((
+            Value::Null,
+            json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": true, "use_regex": true}),
+            json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        )),
+        Some("qwen2") => Ok((
+            json!({"type": "NFC"}),
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+            ]}),
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}),
+        )),
+        // Another split would tokenize text differently from the model's training: refused
+        // rather than served with wrong ids.
+        Some(other) => bail!(
+            "GGUF metadata \"tokenizer.ggml.pre\" is \"{other}\", a pre-tokenizer tpserve does not implement \
+             (default, gpt2, gpt-2, smollm, qwen2)"
+        ),
+    }
+}
+
 /// The tokenizer.json that the metadata describes.
 pub fn tokenizer_json(file: &GgufFile) -> Result<Value> {
     let model = file.opt_string("tokenizer.ggml.model")?.unwrap_or("");
     if model != "gpt2" {
         bail!("GGUF tokenizer model \"{model}\" is not supported (only gpt2, byte-level BPE)");
     }
+    let add_prefix_space = file.opt_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
+    let (normalizer, pre_tokenizer, decoder) = pre_tokenization(file.opt_string("tokenizer.ggml.pre")?, add_prefix_space)?;
     let tokens = file.string_list("tokenizer.ggml.tokens")?;
     let merges = file.string_list("tokenizer.ggml.merges")?;
     let types = file.opt_int_list("tokenizer.ggml.token_type")?.unwrap_or_default();
@@ -41,7 +76,6 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Value> {
             }));
         }
     }
-    let add_prefix_space = file.opt_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
     let bos = file.opt_u64("tokenizer.ggml.bos_token_id")?;
     // BOS is prepended only when the metadata says so (SmolLM2's chat template writes its own).
     let single = match (file.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false), bos) {
@@ -60,15 +94,15 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Value> {
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": true, "use_regex": true},
+        "normalizer": normalizer,
+        "pre_tokenizer": pre_tokenizer,
         "post_processor": {
             "type": "TemplateProcessing",
             "single": single.0,
             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": special_tokens,
         },
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "decoder": decoder,
         "model": {
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
             "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
@@ -96,4 +130,27 @@ pub fn chat_template(file: &GgufFile) -> Result<Option<ChatTemplate>> {
     ChatTemplate::new(source.to_owned(), token("tokenizer.ggml.bos_token_id")?, token("tokenizer.ggml.eos_token_id")?)
         .with_context(|| format!("chat template of {}", file.path().display()))
         .map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_a_split_it_does_not_implement() {
+        let err = format!("{:#}", pre_tokenization(Some("llama-bpe"), false).unwrap_err());
+        assert!(err.contains("\"llama-bpe\"") && err.contains("qwen2"), "{err}");
+    }
+
+    /// Qwen's split keeps digits apart and lets a letter run take one leading symbol.
+    #[test]
+    fn qwen2_splits_like_qwen() {
+        let (normalizer, pre, _) = pre_tokenization(Some("qwen2"), false).unwrap();
+        assert_eq!(normalizer["type"], "NFC");
+        let pre: tokenizers::PreTokenizerWrapper = serde_json::from_value(pre).unwrap();
+        let mut text = tokenizers::PreTokenizedString::from("(abc 2024 I'LL");
+        tokenizers::PreTokenizer::pre_tokenize(&pre, &mut text).unwrap();
+        let pieces: Vec<String> = text.get_splits(tokenizers::OffsetReferential::Original, tokenizers::OffsetType::Char).into_iter().map(|(s, _, _)| s.to_owned()).collect();
+        assert_eq!(pieces, ["(abc", "Ġ", "2", "0", "2", "4", "ĠI", "'LL"]);
+    }
 }

@@ -1,13 +1,15 @@
-//! GGUF checkpoints (llama.cpp's single-file format), Llama family.
+//! GGUF checkpoints (llama.cpp's single-file format): Llama and Qwen3 dense.
 //!
 //! A GGUF file carries the hyper-parameters and the tokenizer as metadata and the weights as
 //! (usually quantized) tensors. tpserve serves them through the same code as safetensors
 //! checkpoints: the metadata becomes a [`ModelConfig`] (via the config.json it implies), tensor
-//! names are mapped to the Hugging Face ones, and each tensor is dequantized to f32 when a rank
-//! asks for it, so a rank holds only its own slice plus one full tensor at a time.
+//! names are mapped to the Hugging Face ones, and each rank reads only its own slice (kept in
+//! its blocks, or dequantized to f32 one tensor at a time).
 //!
-//! llama.cpp's converter permutes the rows of the q and k projections for its interleaved RoPE;
-//! we undo that here so the shared rotate-half RoPE of [`super::rope`] applies unchanged.
+//! For Llama, llama.cpp's converter permutes the rows of the q and k projections for its
+//! interleaved RoPE; we undo that here so the shared rotate-half RoPE of [`super::rope`] applies
+//! unchanged. Qwen3 files keep Hugging Face's row order (llama.cpp runs them with rotate-half
+//! RoPE).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -136,8 +138,9 @@ impl GgufFile {
         }
     }
 
-    pub fn architecture(&self) -> Result<&str> {
-        self.opt_string("general.architecture")?.context("GGUF metadata \"general.architecture\" is missing")
+    pub fn architecture(&self) -> Result<Architecture> {
+        let name = self.opt_string("general.architecture")?.context("GGUF metadata \"general.architecture\" is missing")?;
+        Architecture::parse(name)
     }
 
     pub fn has_tensor(&self, gguf_name: &str) -> bool {
@@ -147,10 +150,7 @@ impl GgufFile {
     /// The hyper-parameters, as the config.json transformers would write for this model.
     pub fn config_json(&self) -> Result<serde_json::Value> {
         let arch = self.architecture()?;
-        if arch != "llama" {
-            bail!("GGUF architecture \"{arch}\" is not supported (only llama)");
-        }
-        let key = |name: &str| format!("{arch}.{name}");
+        let key = |name: &str| format!("{}.{name}", arch.name());
         if let Some(kind) = self.opt_string(&key("rope.scaling.type"))? {
             if kind != "none" {
                 bail!("GGUF metadata \"{}\" is \"{kind}\": scaled RoPE is not supported", key("rope.scaling.type"));
@@ -174,7 +174,7 @@ impl GgufFile {
         }
         let vocab_size = self.array("tokenizer.ggml.tokens")?.len();
         let mut config = serde_json::json!({
-            "model_type": "llama",
+            "model_type": arch.model_type(),
             "vocab_size": vocab_size,
             "hidden_size": hidden,
             "intermediate_size": self.u64(&key("feed_forward_length"))?,
@@ -201,6 +201,42 @@ impl GgufFile {
         let json = self.config_json()?;
         ModelConfig::from_json_str(&json.to_string())
             .with_context(|| format!("invalid model metadata in {}", self.path.display()))
+    }
+}
+
+/// A `general.architecture` tpserve serves, and what it tells the loader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen3,
+}
+
+impl Architecture {
+    fn parse(name: &str) -> Result<Self> {
+        match name {
+            "llama" => Ok(Self::Llama),
+            "qwen3" => Ok(Self::Qwen3),
+            "qwen3moe" => bail!("GGUF architecture \"qwen3moe\" is not supported yet (Qwen3 MoE serves from its safetensors checkpoint)"),
+            other => bail!("GGUF architecture \"{other}\" is not supported (llama, qwen3)"),
+        }
+    }
+
+    /// The name llama.cpp gives it, which prefixes its metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen3 => "qwen3",
+        }
+    }
+
+    fn model_type(self) -> &'static str {
+        self.name()
+    }
+
+    /// Whether llama.cpp's converter stored the q/k projection rows permuted for interleaved
+    /// RoPE (`LlamaModel.permute`); its Qwen3 converter leaves them as they are.
+    fn permutes_qk(self) -> bool {
+        self == Self::Llama
     }
 }
 
@@ -251,6 +287,8 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
         "attn_norm" => "input_layernorm",
         "ffn_norm" => "post_attention_layernorm",
         _ => return None,
@@ -295,8 +333,8 @@ pub struct GgufWeights {
     file: Mutex<File>,
     /// our name -> GGUF name
     names: HashMap<String, String>,
-    num_heads: usize,
-    num_kv_heads: usize,
+    /// (query heads, KV heads) when the q/k projection rows are stored permuted (Llama)
+    permuted_heads: Option<(usize, usize)>,
     total_bytes: u64,
 }
 
@@ -304,6 +342,7 @@ impl GgufWeights {
     pub fn open(path: &Path) -> Result<Self> {
         let header = GgufFile::open(path)?;
         let config = header.model_config()?;
+        let permutes = header.architecture()?.permutes_qk();
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         let total_bytes = file.metadata().with_context(|| format!("cannot stat {}", path.display()))?.len();
         let names = header
@@ -316,10 +355,20 @@ impl GgufWeights {
             header,
             file: Mutex::new(file),
             names,
-            num_heads: config.num_attention_heads,
-            num_kv_heads: config.num_key_value_heads,
+            permuted_heads: permutes.then_some((config.num_attention_heads, config.num_key_value_heads)),
             total_bytes,
         })
+    }
+
+    /// The heads whose rows GGUF tensor `gguf` holds permuted: a Llama q or k projection.
+    fn permuted_heads(&self, gguf: &str) -> Option<usize> {
+        let (q_heads, kv_heads) = self.permuted_heads?;
+        let layer_part = gguf.strip_prefix("blk.")?.split_once('.')?.1;
+        match layer_part {
+            "attn_q.weight" | "attn_q.bias" => Some(q_heads),
+            "attn_k.weight" | "attn_k.bias" => Some(kv_heads),
+            _ => None,
+        }
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -381,14 +430,7 @@ impl GgufWeights {
             self.header.content.tensor(&mut *file, gguf, &Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?
         };
         let bytes = qtensor.data().map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?;
-        let heads = if gguf.starts_with("blk.") && gguf.contains(".attn_q.") {
-            Some(self.num_heads)
-        } else if gguf.starts_with("blk.") && gguf.contains(".attn_k.") {
-            Some(self.num_kv_heads)
-        } else {
-            None
-        };
-        let order = heads.map(|heads| unpermuted_row_order(rows, heads)).transpose().with_context(context)?;
+        let order = self.permuted_heads(gguf).map(|heads| unpermuted_row_order(rows, heads)).transpose().with_context(context)?;
         super::quant::formats::slice(info.ggml_dtype, rows, cols, &bytes, dim, ranges, order.as_deref())
             .with_context(context)
             .map(Some)
@@ -403,14 +445,10 @@ impl GgufWeights {
             self.header.content.tensor(&mut *file, gguf, &Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?
         };
         let tensor = qtensor.dequantize(&Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?;
-        let tensor = if gguf.starts_with("blk.") && gguf.contains(".attn_q.") {
-            unpermute_rows(&tensor, self.num_heads).with_context(context)?
-        } else if gguf.starts_with("blk.") && gguf.contains(".attn_k.") {
-            unpermute_rows(&tensor, self.num_kv_heads).with_context(context)?
-        } else {
-            tensor
-        };
-        Ok(tensor)
+        match self.permuted_heads(gguf) {
+            Some(heads) => unpermute_rows(&tensor, heads).with_context(context),
+            None => Ok(tensor),
+        }
     }
 }
 
@@ -424,8 +462,20 @@ mod tests {
         assert_eq!(hf_name("blk.12.attn_output.weight").as_deref(), Some("model.layers.12.self_attn.o_proj.weight"));
         assert_eq!(hf_name("blk.0.ffn_norm.weight").as_deref(), Some("model.layers.0.post_attention_layernorm.weight"));
         assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+        assert_eq!(hf_name("blk.3.attn_q_norm.weight").as_deref(), Some("model.layers.3.self_attn.q_norm.weight"));
+        assert_eq!(hf_name("blk.3.attn_k_norm.weight").as_deref(), Some("model.layers.3.self_attn.k_norm.weight"));
         assert_eq!(hf_name("blk.x.attn_q.weight"), None);
         assert_eq!(hf_name("rope_freqs.weight"), None);
+    }
+
+    #[test]
+    fn names_the_architectures_it_refuses() {
+        assert_eq!(Architecture::parse("qwen3").unwrap(), Architecture::Qwen3);
+        assert!(Architecture::Llama.permutes_qk() && !Architecture::Qwen3.permutes_qk());
+        for (name, says) in [("qwen3moe", "safetensors"), ("gemma3", "(llama, qwen3)")] {
+            let err = format!("{:#}", Architecture::parse(name).unwrap_err());
+            assert!(err.contains(name) && err.contains(says), "{err}");
+        }
     }
 
     /// The inverse of llama.cpp's permute (convert_hf_to_gguf.py), written the Python way.

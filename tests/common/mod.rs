@@ -3,6 +3,7 @@
 //! and the Python environment of the third-party client tests.
 #![allow(dead_code)]
 
+pub mod qwen3_chat;
 pub mod qwen3_vocab;
 
 use std::path::PathBuf;
@@ -489,4 +490,32 @@ pub fn python_with(probe: &str, venv_name: &str, packages: &[&str]) -> String {
         assert!(installed.success(), "cannot install {packages:?} from PyPI");
     }
     python
+}
+
+/// Deterministic, varied strings: words, digits, punctuation, whitespace runs, accents (also
+/// as combining marks and compatibility characters, which a normalizer changes), CJK, emoji,
+/// code and the special tokens, in random mixtures.
+pub fn varied_strings(count: usize) -> Vec<String> {
+    const PIECES: &[&str] = &[
+        "the", " the", "The", "  ", "\n", "\n\n", "\t", " ", "hello", " world", "Hello,", " World!", "123", "4567", " 89",
+        "3.14159", "1,000,000", "'s", "'t", "'re", "'ve", "'m", "'ll", "'d", " don't", "I'm", "?", "!", "...", "—", "–",
+        "é", "café", " naïve", "Ünïcödé", "日本語", "中文字符", "한국어", "🙂", "👍🏽", "🤗", "∑", "→", "\u{a0}", "\r\n",
+        "fn main() {", "}", "    return x;", "def f(x):", "<html>", "</div>", "{\"key\": [1, 2]}", "http://example.com/a?b=c",
+        "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>", "user", "assistant", "system",
+        "SmolLM", "tokenization", "<think>", "</think>", "<tool_call>", "2024", " 42", "e\u{301}", "\u{212b}", "\u{fb01}", " antidisestablishmentarianism", "ALLCAPS", "camelCaseWord", "snake_case_word", "$", "%",
+        "#", "@", "&&", "||", "==", "!=", "<=", ">=", "\\", "/", "_", "-", "+", "=", "*", "^", "~", "`", "|", "(", ")", "[", "]",
+    ];
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    (0..count)
+        .map(|_| {
+            let len = 1 + (next() % 24) as usize;
+            (0..len).map(|_| PIECES[(next() % PIECES.len() as u64) as usize]).collect::<String>()
+        })
+        .collect()
 }

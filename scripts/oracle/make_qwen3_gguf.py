@@ -1,0 +1,48 @@
+"""GGUF files of the Qwen3 fixtures, made by llama.cpp's own converter (convert_hf_to_gguf.py),
+as a user's Qwen3 GGUF is made. The references stay transformers' outputs on the safetensors
+checkpoints (each fixture's expected.json): a GGUF of the same weights must give them.
+
+    python3 -m pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps -d /tmp/lcpp
+    tar xzf /tmp/lcpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcpp   # vendor/llama.cpp inside
+    python3 -m pip install torch transformers numpy sentencepiece
+    LLAMA_CPP_DIR=/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp \
+        python3 scripts/oracle/make_qwen3_gguf.py tests/fixtures tests/fixtures/qwen3_gguf
+
+Writes qwen3_a.f32.gguf, qwen3_a.q8_0.gguf, qwen3_b.f32.gguf (weights) and
+qwen3_tokenizer.gguf (the real Qwen3 tokenizer and chat template of qwen3_chat, --vocab-only).
+
+The tiny fixtures' tokenizer is a 448-token byte-level BPE with GPT-2's split, which the
+converter's table of known tokenizers does not list; it is written as llama.cpp's "gpt-2" (the
+same split). The real Qwen3 tokenizer is recognised by the converter itself ("qwen2").
+"""
+import json, os, runpy, shutil, subprocess, sys, tempfile
+
+llama_cpp = os.environ["LLAMA_CPP_DIR"]
+fixtures, out = sys.argv[1], sys.argv[2]
+os.makedirs(out, exist_ok=True)
+
+
+def convert(model_dir, outfile, *args, pre=None):
+    code = (
+        "import os, runpy, sys\n"
+        f"sys.path[:0] = [{llama_cpp!r}, os.path.join({llama_cpp!r}, 'gguf-py')]\n"
+        "import conversion.base as base\n"
+        f"pre = {pre!r}\n"
+        "if pre: base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre\n"
+        f"sys.argv = ['convert_hf_to_gguf.py', {model_dir!r}, '--outfile', {outfile!r}] + {list(args)!r}\n"
+        f"runpy.run_path(os.path.join({llama_cpp!r}, 'convert_hf_to_gguf.py'), run_name='__main__')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+for case, outtype in [("qwen3_a", "f32"), ("qwen3_a", "q8_0"), ("qwen3_b", "f32")]:
+    convert(os.path.join(fixtures, case), os.path.join(out, f"{case}.{outtype}.gguf"), "--outtype", outtype, pre="gpt-2")
+
+# The converter wants a model config beside the tokenizer: qwen3_a's, over Qwen3's vocabulary.
+with tempfile.TemporaryDirectory() as d:
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(os.path.join(fixtures, "qwen3_chat", name), d)
+    config = json.load(open(os.path.join(fixtures, "qwen3_a", "config.json")))
+    config["vocab_size"] = 151936
+    json.dump(config, open(os.path.join(d, "config.json"), "w"))
+    convert(d, os.path.join(out, "qwen3_tokenizer.gguf"), "--vocab-only")

@@ -1,0 +1,163 @@
+//! Qwen3 from GGUF files, as llama.cpp's converter writes them (tests/fixtures/qwen3_gguf, from
+//! scripts/oracle/make_qwen3_gguf.py): the tiny qwen3_a and qwen3_b fixtures in f32 and Q8_0, and
+//! the real Qwen3 tokenizer and chat template as a vocabulary-only file.
+//!
+//! The references are transformers' outputs on the safetensors checkpoints of the same weights
+//! (each fixture's expected.json) and transformers' tokenizer and renderings for qwen3_chat.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+
+use candle_core::Device;
+use tokenizers::Tokenizer;
+use tpserve::coordinator::gguf_tokenizer;
+use tpserve::model::gguf::GgufFile;
+use tpserve::model::loader::LoadProgress;
+use tpserve::model::parallel::TpGroup;
+use tpserve::model::{LoadOptions, Model, Products};
+use tpserve::rank::offline;
+
+use common::qwen3_chat::{CASES, case, inputs, messages, oracle_dir, reference_ids, text};
+use common::{ShardRun, Served, parse_json_stream};
+
+const EOS: u32 = 2;
+
+fn gguf(name: &str) -> PathBuf {
+    common::fixture("qwen3_gguf").join(name)
+}
+
+fn prompts(case: &str) -> Vec<Vec<u32>> {
+    common::expected(case).into_iter().map(|p| p.ids).collect()
+}
+
+/// `path` loaded in this process at TP 1: `--dtype f32` (dequantized, exact) or `auto` (a
+/// quantized file stays in its blocks).
+fn load(path: &std::path::Path, dtype: &str) -> Model {
+    let (dtype, quant) = tpserve::model::parse_load_dtype(dtype, "", &Device::Cpu, path).unwrap();
+    let options = LoadOptions { dtype, device: Device::Cpu, products: Products::Exact };
+    Model::load_quantized(path, &TpGroup::single(), &options, quant, Arc::new(LoadProgress::default())).unwrap()
+}
+
+/// The tokenizer built from the converter's metadata (split "qwen2": Qwen's regex and NFC)
+/// encodes and decodes exactly like the real Qwen3 tokenizer.json.
+#[test]
+fn tokenizer_from_metadata_matches_the_real_qwen3_tokenizer() {
+    let file = GgufFile::open(&gguf("qwen3_tokenizer.gguf")).unwrap();
+    assert_eq!(file.opt_string("tokenizer.ggml.pre").unwrap(), Some("qwen2"));
+    let ours = gguf_tokenizer::tokenizer(&file).unwrap();
+    let reference = Tokenizer::from_file(oracle_dir().join("tokenizer.json")).unwrap();
+    // The converter pads the vocabulary to the embedding's 151,936 rows.
+    assert_eq!(ours.get_vocab_size(true), 151_936);
+    for text in common::varied_strings(3000) {
+        for special in [false, true] {
+            let a = ours.encode(text.as_str(), special).unwrap();
+            let b = reference.encode(text.as_str(), special).unwrap();
+            assert_eq!(a.get_ids(), b.get_ids(), "encoding {text:?} (add_special_tokens={special})");
+        }
+        let ids = reference.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        for skip in [false, true] {
+            assert_eq!(ours.decode(&ids, skip).unwrap(), reference.decode(&ids, skip).unwrap(), "decoding {text:?}");
+        }
+    }
+}
+
+/// The chat template from metadata renders transformers' strings for every conversation
+/// (tools, a tool round trip, enable_thinking), and the tokenizer from metadata gives its ids.
+#[test]
+fn chat_template_from_metadata_renders_like_transformers() {
+    let file = GgufFile::open(&gguf("qwen3_tokenizer.gguf")).unwrap();
+    let template = gguf_tokenizer::chat_template(&file).unwrap().expect("the GGUF has the Qwen3 template");
+    let tokenizer = gguf_tokenizer::tokenizer(&file).unwrap();
+    for name in CASES {
+        let case = case(name);
+        let rendered = template.render_with(&messages(&case), true, &inputs(&case)).unwrap();
+        assert_eq!(rendered, text(&case, "rendered").unwrap(), "case {name}");
+        assert_eq!(tokenizer.encode(rendered.as_str(), false).unwrap().get_ids(), reference_ids(&case).as_slice(), "case {name}");
+    }
+    let config = file.model_config().unwrap();
+    assert_eq!(config.model_type, "qwen3");
+    assert_eq!(config.eos_token_ids, vec![151_645], "<|im_end|>");
+}
+
+/// The f32 files through the ranks' model code at TP 1 and 2: the greedy ids equal
+/// transformers' on the safetensors checkpoint, and the last prompt position's logits are
+/// within float32 noise. qwen3_b has untied embeddings and heads * head_dim != hidden (the
+/// head size comes from `qwen3.attention.key_length`).
+#[test]
+fn f32_files_match_transformers_at_tp1_and_tp2() {
+    for case in ["qwen3_a", "qwen3_b"] {
+        let path = gguf(&format!("{case}.f32.gguf"));
+        let expected = common::expected(case);
+        for tp in [1, 2] {
+            let got = ShardRun::new(&path, &prompts(case), tp).run();
+            for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
+                let diff = common::max_abs_diff(&got.last_logits, &want.last_logits);
+                eprintln!("{case} GGUF f32 TP {tp} prompt {i}: max |logit - transformers| = {diff:.2e}");
+                assert_eq!(got.new_ids, want.greedy_new_ids, "{case} TP {tp} prompt {i}");
+                assert!(diff < 1e-4, "{case} TP {tp} prompt {i}: {diff}");
+            }
+        }
+    }
+}
+
+/// The Q8_0 file kept in its blocks (`--dtype auto`), against the same file dequantized
+/// (`--dtype f32`): teacher-forced over the f32 path's greedy ids, the largest logit difference
+/// and top-1 agreement; and a TP 2 group (each rank reading its slice of the blocks) against the
+/// in-process TP 1 run.
+#[test]
+fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
+    let path = gguf("qwen3_a.q8_0.gguf");
+    let reference = load(&path, "f32");
+    let quantized = load(&path, "auto");
+    assert!(quantized.weight_bytes() * 3 < reference.weight_bytes(), "{} against {} bytes", quantized.weight_bytes(), reference.weight_bytes());
+    let (mut worst, mut agree, mut steps) = (0f32, 0, 0);
+    for prompt in prompts("qwen3_a") {
+        let greedy = offline::greedy(&reference, 1, &prompt, 16, 0, &[EOS]).unwrap().unwrap();
+        let want = offline::teacher_forced(&reference, 1, &prompt, &greedy.new_ids).unwrap().unwrap();
+        let got = offline::teacher_forced(&quantized, 1, &prompt, &greedy.new_ids).unwrap().unwrap();
+        let (diff, same) = offline::compare_rows(&got, &want);
+        worst = worst.max(diff);
+        agree += same;
+        steps += want.len();
+    }
+    eprintln!("qwen3_a Q8_0 GGUF kept in blocks vs dequantized: max |logit diff| = {worst:.3e}, top-1 agreement {agree}/{steps}");
+    // The bounds of tests/quant.rs for Q8_0 on these random weights (top-1 margins down to
+    // 0.005): a wrong slice or kernel gives chance agreement and errors the size of the logits.
+    assert!(agree >= steps * 8 / 10, "top-1 agreement {agree}/{steps}");
+    assert!(worst < 2.0, "max |logit diff| {worst}");
+
+    let prompts = prompts("qwen3_a");
+    let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts, 2) }.run();
+    for (i, (prompt, got)) in prompts.iter().zip(got).enumerate() {
+        let want = offline::greedy(&quantized, 1, prompt, 16, 0, &[EOS]).unwrap().unwrap();
+        let diff = common::max_abs_diff(&got.last_logits, &want.last_logits);
+        eprintln!("qwen3_a Q8_0 GGUF TP 2 vs TP 1 prompt {i}: max |logit diff| = {diff:.3e}");
+        // Activations are quantized per rank slice at TP 2, so not bit-identical.
+        assert!(diff < 0.05, "prompt {i}: {diff}");
+    }
+}
+
+/// `tpserve serve --model qwen3_a.q8_0.gguf --tp 2` and `tpserve chat`: the coordinator takes
+/// the tokenizer and chat template from the file's metadata, the ranks keep Q8_0 blocks (the
+/// startup log says so), and a greedy chat streams to its length limit.
+#[test]
+fn serve_streams_a_chat_from_a_qwen3_gguf() {
+    let path = gguf("qwen3_a.q8_0.gguf");
+    let server = Served::start_with(path.to_str().unwrap(), 2, &[]);
+    let output = common::tpserve()
+        .args(["chat", "--server", &server.address, "--message", "hello world"])
+        .args(["--json", "--temperature", "0", "--max-tokens", "12", "--ignore-eos"])
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "chat failed: {stdout}");
+    let (ids, last) = parse_json_stream(&stdout);
+    assert_eq!(ids.len(), 12, "{stdout}");
+    assert_eq!(last["finish_reason"], "length", "{last}");
+    let log = server.log();
+    assert!(log.contains("q8_0"), "the ranks' startup log names the format they hold:\n{log}");
+}
