@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Decode tokens/s on Qwen3 GGUFs of the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 query and
+# 8 KV heads of 128, intermediate 3072, 151,936-token vocabulary, tied embeddings), the files a
+# CPU user downloads: tpserve keeping them quantized (--dtype auto) in the rank's model code
+# (`eval-shard`) and through `tpserve serve` (a streaming gRPC client), against llama.cpp on the
+# same file, batch 1, THREADS (2) threads, a 32-token prompt, NEW (64) new tokens, interleaved,
+# best of RUNS (3).
+#
+# The checkpoint has random weights (transformers' initialization, bf16; speed does not depend
+# on the values) and the real Qwen3 tokenizer (tests/fixtures/qwen3_chat). llama.cpp's own
+# converter makes the Q8_0 file, and its quantizer the Q4_0 and Q4_K_M files from it
+# (allow_requantize; Q4_K_M keeps some tensors in Q6_K). Needs a release build, a Python with
+# torch, transformers, sentencepiece and llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=ON"), and
+# llama.cpp's converter, LLAMA_CPP_DIR (the vendor/llama.cpp of the llama-cpp-python sdist; see
+# scripts/oracle/make_qwen3_gguf.py). The files are kept in WORK (target/qwen3-gguf) for the
+# next run.
+#   cargo build --release && PYTHON=/venv/bin/python LLAMA_CPP_DIR=... scripts/bench-qwen3-gguf.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+THREADS=${THREADS:-2}
+RUNS=${RUNS:-3}
+NEW=${NEW:-64}
+WORK=${WORK:-$PWD/target/qwen3-gguf}
+FORMATS=(Q8_0 Q4_0 Q4_K_M)
+mkdir -p "$WORK"
+if [ ! -f "$WORK/qwen3-0.6b.Q8_0.gguf" ]; then
+  "$PYTHON" - "$WORK/qwen3-0.6b" tests/fixtures/qwen3_chat <<'EOF'
+import os, shutil, sys, torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+out, tokenizer = sys.argv[1], sys.argv[2]
+config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                     rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                     eos_token_id=151645, bos_token_id=151643)
+torch.manual_seed(0)
+Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+for name in ["tokenizer.json", "tokenizer_config.json"]:
+    shutil.copy(os.path.join(tokenizer, name), out)
+EOF
+  "$PYTHON" - "$WORK/qwen3-0.6b" "$WORK/qwen3-0.6b.Q8_0.gguf" <<'EOF'
+import os, runpy, sys
+llama_cpp = os.environ["LLAMA_CPP_DIR"]
+sys.path[:0] = [llama_cpp, os.path.join(llama_cpp, "gguf-py")]
+sys.argv = ["convert_hf_to_gguf.py", sys.argv[1], "--outtype", "q8_0", "--outfile", sys.argv[2]]
+runpy.run_path(os.path.join(llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
+EOF
+  "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/qwen3-0.6b.Q8_0.gguf" "$WORK/qwen3-0.6b.Q4_0.gguf" q4_0 >/dev/null 2>&1
+  "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/qwen3-0.6b.Q8_0.gguf" "$WORK/qwen3-0.6b.Q4_K_M.gguf" q4_k >/dev/null 2>&1
+  rm -rf "$WORK/qwen3-0.6b"
+fi
+tmp=$(mktemp -d)
+servers=()
+cleanup() { for pid in "${servers[@]}"; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done; rm -rf "$tmp"; }
+trap cleanup EXIT
+python3 -c "import json; json.dump([[(i * 7919) % 150000 + 100 for i in range(32)]], open('$tmp/p.json', 'w'))"
+# One server per file, loaded once and idle while the others run.
+for fmt in "${FORMATS[@]}"; do
+  target/release/tpserve serve --model "$WORK/qwen3-0.6b.$fmt.gguf" --tp 1 --threads "$THREADS" \
+      --listen "unix://$tmp/$fmt.sock" >"$tmp/$fmt-serve.log" 2>&1 &
+  servers+=($!)
+done
+for fmt in "${FORMATS[@]}"; do
+  for _ in $(seq 240); do target/release/tpserve health --server "unix://$tmp/$fmt.sock" >/dev/null 2>&1 && break; sleep 0.5; done
+  target/release/tpserve health --server "unix://$tmp/$fmt.sock" >/dev/null || { cat "$tmp/$fmt-serve.log"; exit 1; }
+done
+declare -A best
+record() { if python3 -c "import sys; sys.exit(0 if float('$2') > float('${best[$1]:-0}') else 1)"; then best[$1]=$2; fi; echo "  $1: $2"; }
+for run in $(seq "$RUNS"); do
+  echo "run $run"
+  for fmt in "${FORMATS[@]}"; do
+    gguf=$WORK/qwen3-0.6b.$fmt.gguf
+    target/release/tpserve eval-shard --model "$gguf" --dtype auto --rank 0 --world-size 1 \
+        --rendezvous "unix://$tmp/c.sock" --prompts "$tmp/p.json" --max-new "$NEW" --threads "$THREADS" \
+        --out "$tmp/out.json" >/dev/null 2>&1
+    record "$fmt tpserve" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['decode_tokens'] / r['decode_seconds'], 2))")"
+    record "$fmt serve" "$(python3 scripts/bench_serve_stream.py "unix://$tmp/$fmt.sock" "$tmp/p.json" "$NEW" \
+        | python3 -c "import json, sys; print(round(json.load(sys.stdin)['tokens_per_second'], 2))")"
+    record "$fmt llama.cpp" "$("$PYTHON" scripts/bench_llamacpp.py decode "$gguf" "$tmp/p.json" "$NEW" "$THREADS" 2>/dev/null \
+        | python3 -c "import json, sys; print(round(json.load(sys.stdin)['tokens_per_second'], 2))")"
+  done
+done
+echo
+echo "| file | MB | tpserve (rank's code) | through serve | llama.cpp | tpserve / llama.cpp | through serve / llama.cpp |"
+echo "|---|---|---|---|---|---|---|"
+for fmt in "${FORMATS[@]}"; do
+  mb=$(( $(stat -c %s "$WORK/qwen3-0.6b.$fmt.gguf") / 1000000 ))
+  python3 -c "q, s, l = ${best[$fmt tpserve]}, ${best[$fmt serve]}, ${best[$fmt llama.cpp]}; print(f'| $fmt | $mb | {q:.1f} | {s:.1f} | {l:.1f} | {q / l:.2f}x | {s / l:.2f}x |')"
+done
