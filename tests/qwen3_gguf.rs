@@ -1,6 +1,7 @@
 //! Qwen3 from GGUF files, as llama.cpp's converter writes them (tests/fixtures/qwen3_gguf, from
-//! scripts/oracle/make_qwen3_gguf.py): the tiny qwen3_a and qwen3_b fixtures in f32 and Q8_0, and
-//! the real Qwen3 tokenizer and chat template as a vocabulary-only file.
+//! scripts/oracle/make_qwen3_gguf.py): the tiny qwen3_a and qwen3_b fixtures in f32 and Q8_0,
+//! qwen3_c_bf16 in bf16, and the real Qwen3 tokenizer and chat template as a vocabulary-only
+//! file.
 //!
 //! The references are transformers' outputs on the safetensors checkpoints of the same weights
 //! (each fixture's expected.json) and transformers' tokenizer and renderings for qwen3_chat.
@@ -99,6 +100,31 @@ fn f32_files_match_transformers_at_tp1_and_tp2() {
                 assert_eq!(got.new_ids, want.greedy_new_ids, "{case} TP {tp} prompt {i}");
                 assert!(diff < 1e-4, "{case} TP {tp} prompt {i}: {diff}");
             }
+        }
+    }
+}
+
+/// The bf16 file (qwen3_c_bf16's weights): `--dtype auto` holds its matrices in bf16 where the
+/// CPU multiplies bf16 weights fast (AVX2 and up, computing in f32), as it does a bf16
+/// safetensors checkpoint, and the greedy ids and logits equal transformers' f32 computation of
+/// the same bf16 weights at TP 1 and 2.
+#[test]
+fn bf16_file_stays_bf16_and_matches_transformers() {
+    let path = gguf("qwen3_c_bf16.bf16.gguf");
+    let bf16 = tpserve_kernels::cpu_matmul::bf16_weights_fast();
+    let (auto, f32) = (load(&path, "auto"), load(&path, "f32"));
+    eprintln!("qwen3_c_bf16 GGUF: --dtype auto holds {} bytes, f32 {} (bf16 kernels: {bf16})", auto.weight_bytes(), f32.weight_bytes());
+    if bf16 {
+        assert!(auto.weight_bytes() * 10 < f32.weight_bytes() * 6, "{} against {} bytes", auto.weight_bytes(), f32.weight_bytes());
+    }
+    let expected = common::expected("qwen3_c_bf16");
+    for tp in [1, 2] {
+        let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts("qwen3_c_bf16"), tp) }.run();
+        for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
+            let diff = common::max_abs_diff(&got.last_logits, &want.last_logits);
+            eprintln!("qwen3_c_bf16 GGUF bf16 TP {tp} prompt {i}: max |logit - transformers| = {diff:.2e}");
+            assert_eq!(got.new_ids, want.greedy_new_ids, "TP {tp} prompt {i}");
+            assert!(diff < 1e-4, "TP {tp} prompt {i}: {diff}");
         }
     }
 }

@@ -8,7 +8,7 @@ checkpoints (each fixture's expected.json): a GGUF of the same weights must give
     LLAMA_CPP_DIR=/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp \
         python3 scripts/oracle/make_qwen3_gguf.py tests/fixtures tests/fixtures/qwen3_gguf
 
-Writes qwen3_a.f32.gguf, qwen3_a.q8_0.gguf, qwen3_b.f32.gguf (weights) and
+Writes qwen3_a.f32.gguf, qwen3_a.q8_0.gguf, qwen3_b.f32.gguf, qwen3_c_bf16.bf16.gguf (weights) and
 qwen3_tokenizer.gguf (the real Qwen3 tokenizer and chat template of qwen3_chat, --vocab-only).
 
 The tiny fixtures' tokenizer is a 448-token byte-level BPE with GPT-2's split, which the
@@ -35,11 +35,13 @@ def convert(model_dir, outfile, *args, pre=None):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-for case, outtype in [("qwen3_a", "f32"), ("qwen3_a", "q8_0"), ("qwen3_b", "f32")]:
+for case, outtype in [("qwen3_a", "f32"), ("qwen3_a", "q8_0"), ("qwen3_b", "f32"), ("qwen3_c_bf16", "bf16")]:
     convert(os.path.join(fixtures, case), os.path.join(out, f"{case}.{outtype}.gguf"), "--outtype", outtype, pre="gpt-2")
 
 # The converter wants a model config beside the tokenizer: qwen3_a's, over Qwen3's vocabulary.
-with tempfile.TemporaryDirectory() as d:
+with tempfile.TemporaryDirectory() as tmp:
+    d = os.path.join(tmp, "qwen3_tokenizer")  # the file's general.name comes from the folder's
+    os.mkdir(d)
     for name in ["tokenizer.json", "tokenizer_config.json"]:
         shutil.copy(os.path.join(fixtures, "qwen3_chat", name), d)
     config = json.load(open(os.path.join(fixtures, "qwen3_a", "config.json")))

@@ -397,6 +397,17 @@ impl GgufWeights {
         Ok(info.shape.dims().to_vec())
     }
 
+    /// The dtype `name` holds its values in, as a dense tensor: f32, f16 or bf16 as stored; f32
+    /// for the block formats, which are dequantized to f32 when read dense.
+    pub fn stored_dtype(&self, name: &str) -> Result<candle_core::DType> {
+        use candle_core::quantized::GgmlDType;
+        Ok(match self.ggml_dtype(name)? {
+            GgmlDType::F16 => candle_core::DType::F16,
+            GgmlDType::BF16 => candle_core::DType::BF16,
+            _ => candle_core::DType::F32,
+        })
+    }
+
     /// The storage format of `name`.
     pub fn ggml_dtype(&self, name: &str) -> Result<candle_core::quantized::GgmlDType> {
         let gguf = self.gguf_name(name)?;

@@ -131,9 +131,8 @@ impl WeightFiles {
     }
 
     pub fn dtype(&self, name: &str) -> Result<DType> {
-        if self.gguf.is_some() {
-            // GGUF tensors are dequantized to f32 as they are read.
-            return Ok(DType::F32);
+        if let Some(gguf) = &self.gguf {
+            return gguf.stored_dtype(name);
         }
         let view = self.view(name)?;
         DType::try_from(view.dtype()).map_err(|err| anyhow::anyhow!("tensor \"{name}\": {err}"))
