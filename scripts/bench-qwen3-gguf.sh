@@ -4,7 +4,8 @@
 # CPU user downloads: tpserve keeping them quantized (--dtype auto) in the rank's model code
 # (`eval-shard`) and through `tpserve serve` (a streaming gRPC client), against llama.cpp on the
 # same file, batch 1, THREADS (2) threads, a 32-token prompt, NEW (64) new tokens, interleaved,
-# best of RUNS (3).
+# best of RUNS (3); and the memory-read bandwidth, measured in every run (the best is the bound:
+# a decode step reads about the whole file, the tied embedding being the LM head).
 #
 # The checkpoint has random weights (transformers' initialization, bf16; speed does not depend
 # on the values) and the real Qwen3 tokenizer (tests/fixtures/qwen3_chat). llama.cpp's own
@@ -67,6 +68,7 @@ done
 declare -A best
 record() { if python3 -c "import sys; sys.exit(0 if float('$2') > float('${best[$1]:-0}') else 1)"; then best[$1]=$2; fi; echo "  $1: $2"; }
 for run in $(seq "$RUNS"); do
+  record bandwidth "$("$PYTHON" scripts/bench_cpu.py bandwidth "$THREADS")"
   echo "run $run"
   for fmt in "${FORMATS[@]}"; do
     gguf=$WORK/qwen3-0.6b.$fmt.gguf
@@ -81,9 +83,12 @@ for run in $(seq "$RUNS"); do
   done
 done
 echo
+echo "tokens/s (in brackets: the file's bytes times tokens/s, a fraction of the read bandwidth, ${best[bandwidth]} GB/s):"
 echo "| file | MB | tpserve (rank's code) | through serve | llama.cpp | tpserve / llama.cpp | through serve / llama.cpp |"
 echo "|---|---|---|---|---|---|---|"
 for fmt in "${FORMATS[@]}"; do
   mb=$(( $(stat -c %s "$WORK/qwen3-0.6b.$fmt.gguf") / 1000000 ))
-  python3 -c "q, s, l = ${best[$fmt tpserve]}, ${best[$fmt serve]}, ${best[$fmt llama.cpp]}; print(f'| $fmt | $mb | {q:.1f} | {s:.1f} | {l:.1f} | {q / l:.2f}x | {s / l:.2f}x |')"
+  python3 -c "q, s, l, bw = ${best[$fmt tpserve]}, ${best[$fmt serve]}, ${best[$fmt llama.cpp]}, ${best[bandwidth]}
+share = lambda t: f'{t:.1f} ({t * $mb / 1000 / bw:.0%})'
+print(f'| $fmt | $mb | {share(q)} | {share(s)} | {share(l)} | {q / l:.2f}x | {s / l:.2f}x |')"
 done
