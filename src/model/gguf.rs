@@ -229,6 +229,7 @@ impl Architecture {
         }
     }
 
+    /// The config.json `model_type` it implies.
     fn model_type(self) -> &'static str {
         self.name()
     }
@@ -334,7 +335,7 @@ pub struct GgufWeights {
     /// our name -> GGUF name
     names: HashMap<String, String>,
     /// (query heads, KV heads) when the q/k projection rows are stored permuted (Llama)
-    permuted_heads: Option<(usize, usize)>,
+    permuted_qk: Option<(usize, usize)>,
     total_bytes: u64,
 }
 
@@ -355,14 +356,14 @@ impl GgufWeights {
             header,
             file: Mutex::new(file),
             names,
-            permuted_heads: permutes.then_some((config.num_attention_heads, config.num_key_value_heads)),
+            permuted_qk: permutes.then_some((config.num_attention_heads, config.num_key_value_heads)),
             total_bytes,
         })
     }
 
     /// The heads whose rows GGUF tensor `gguf` holds permuted: a Llama q or k projection.
     fn permuted_heads(&self, gguf: &str) -> Option<usize> {
-        let (q_heads, kv_heads) = self.permuted_heads?;
+        let (q_heads, kv_heads) = self.permuted_qk?;
         let layer_part = gguf.strip_prefix("blk.")?.split_once('.')?.1;
         match layer_part {
             "attn_q.weight" | "attn_q.bias" => Some(q_heads),

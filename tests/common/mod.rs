@@ -502,7 +502,8 @@ pub fn varied_strings(count: usize) -> Vec<String> {
         "é", "café", " naïve", "Ünïcödé", "日本語", "中文字符", "한국어", "🙂", "👍🏽", "🤗", "∑", "→", "\u{a0}", "\r\n",
         "fn main() {", "}", "    return x;", "def f(x):", "<html>", "</div>", "{\"key\": [1, 2]}", "http://example.com/a?b=c",
         "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>", "user", "assistant", "system",
-        "SmolLM", "tokenization", "<think>", "</think>", "<tool_call>", "2024", " 42", "e\u{301}", "\u{212b}", "\u{fb01}", " antidisestablishmentarianism", "ALLCAPS", "camelCaseWord", "snake_case_word", "$", "%",
+        "SmolLM", "tokenization", "<think>", "</think>", "<tool_call>", "2024", " 42", "e\u{301}", "\u{212b}", "\u{fb01}",
+        " antidisestablishmentarianism", "ALLCAPS", "camelCaseWord", "snake_case_word", "$", "%",
         "#", "@", "&&", "||", "==", "!=", "<=", ">=", "\\", "/", "_", "-", "+", "=", "*", "^", "~", "`", "|", "(", ")", "[", "]",
     ];
     let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
