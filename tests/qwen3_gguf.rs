@@ -52,17 +52,7 @@ fn tokenizer_from_metadata_matches_the_real_qwen3_tokenizer() {
     let reference = Tokenizer::from_file(oracle_dir().join("tokenizer.json")).unwrap();
     // The converter pads the vocabulary to the embedding's 151,936 rows.
     assert_eq!(ours.get_vocab_size(true), 151_936);
-    for text in common::varied_strings(3000) {
-        for special in [false, true] {
-            let a = ours.encode(text.as_str(), special).unwrap();
-            let b = reference.encode(text.as_str(), special).unwrap();
-            assert_eq!(a.get_ids(), b.get_ids(), "encoding {text:?} (add_special_tokens={special})");
-        }
-        let ids = reference.encode(text.as_str(), false).unwrap().get_ids().to_vec();
-        for skip in [false, true] {
-            assert_eq!(ours.decode(&ids, skip).unwrap(), reference.decode(&ids, skip).unwrap(), "decoding {text:?}");
-        }
-    }
+    common::assert_same_tokenization(&ours, &reference, &common::varied_strings(3000));
 }
 
 /// The chat template from metadata renders transformers' strings for every conversation
@@ -91,15 +81,9 @@ fn chat_template_from_metadata_renders_like_transformers() {
 fn f32_files_match_transformers_at_tp1_and_tp2() {
     for case in ["qwen3_a", "qwen3_b"] {
         let path = gguf(&format!("{case}.f32.gguf"));
-        let expected = common::expected(case);
         for tp in [1, 2] {
             let got = ShardRun::new(&path, &prompts(case), tp).run();
-            for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
-                let diff = common::max_abs_diff(&got.last_logits, &want.last_logits);
-                eprintln!("{case} GGUF f32 TP {tp} prompt {i}: max |logit - transformers| = {diff:.2e}");
-                assert_eq!(got.new_ids, want.greedy_new_ids, "{case} TP {tp} prompt {i}");
-                assert!(diff < 1e-4, "{case} TP {tp} prompt {i}: {diff}");
-            }
+            common::assert_matches_oracle(&format!("{case} GGUF f32 TP {tp}"), case, &got);
         }
     }
 }
@@ -117,15 +101,9 @@ fn bf16_file_stays_bf16_and_matches_transformers() {
     if bf16 {
         assert!(auto.weight_bytes() * 10 < f32.weight_bytes() * 6, "{} against {} bytes", auto.weight_bytes(), f32.weight_bytes());
     }
-    let expected = common::expected("qwen3_c_bf16");
     for tp in [1, 2] {
         let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts("qwen3_c_bf16"), tp) }.run();
-        for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
-            let diff = common::max_abs_diff(&got.last_logits, &want.last_logits);
-            eprintln!("qwen3_c_bf16 GGUF bf16 TP {tp} prompt {i}: max |logit - transformers| = {diff:.2e}");
-            assert_eq!(got.new_ids, want.greedy_new_ids, "TP {tp} prompt {i}");
-            assert!(diff < 1e-4, "TP {tp} prompt {i}: {diff}");
-        }
+        common::assert_matches_oracle(&format!("qwen3_c_bf16 GGUF bf16 TP {tp}"), "qwen3_c_bf16", &got);
     }
 }
 

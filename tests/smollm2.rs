@@ -105,17 +105,7 @@ fn tokenizer_from_metadata_matches_transformers() {
     assert_eq!(ours.get_vocab_size(true), reference.get_vocab_size(true));
     let mut strings = common::varied_strings(3000);
     strings.push(expected()["prompts"][0]["prompt_text"].as_str().unwrap().to_owned());
-    for text in &strings {
-        for special in [false, true] {
-            let a = ours.encode(text.as_str(), special).unwrap();
-            let b = reference.encode(text.as_str(), special).unwrap();
-            assert_eq!(a.get_ids(), b.get_ids(), "encoding {text:?} (add_special_tokens={special})");
-        }
-        let ids = reference.encode(text.as_str(), false).unwrap().get_ids().to_vec();
-        for skip in [false, true] {
-            assert_eq!(ours.decode(&ids, skip).unwrap(), reference.decode(&ids, skip).unwrap(), "decoding {text:?}");
-        }
-    }
+    common::assert_same_tokenization(&ours, &reference, &strings);
 }
 
 /// The chat template from metadata renders the reference prompt, which tokenizes to its ids.

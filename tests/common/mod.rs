@@ -520,3 +520,33 @@ pub fn varied_strings(count: usize) -> Vec<String> {
         })
         .collect()
 }
+
+/// `ours` encodes (with and without special tokens) and decodes (skipping them or not) each of
+/// `strings` exactly as `reference` does.
+pub fn assert_same_tokenization(ours: &tokenizers::Tokenizer, reference: &tokenizers::Tokenizer, strings: &[String]) {
+    for text in strings {
+        for special in [false, true] {
+            let a = ours.encode(text.as_str(), special).unwrap();
+            let b = reference.encode(text.as_str(), special).unwrap();
+            assert_eq!(a.get_ids(), b.get_ids(), "encoding {text:?} (add_special_tokens={special})");
+        }
+        let ids = reference.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        for skip in [false, true] {
+            assert_eq!(ours.decode(&ids, skip).unwrap(), reference.decode(&ids, skip).unwrap(), "decoding {text:?}");
+        }
+    }
+}
+
+/// A group's results (rank 0's, one per prompt) against the oracle's for fixture `case`: the
+/// greedy ids equal and the last prompt position's logits within float32 noise (1e-4), each
+/// difference printed under `label`.
+pub fn assert_matches_oracle(label: &str, case: &str, got: &[tpserve::rank::offline::PromptResult]) {
+    let expected = expected(case);
+    assert_eq!(got.len(), expected.len(), "{label}: one result per prompt");
+    for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
+        let diff = max_abs_diff(&got.last_logits, &want.last_logits);
+        println!("{label} prompt {i}: max |logit - transformers| = {diff:.3e}");
+        assert_eq!(got.new_ids, want.greedy_new_ids, "{label} prompt {i}: greedy ids");
+        assert!(diff < 1e-4, "{label} prompt {i}: logits differ by {diff}");
+    }
+}
