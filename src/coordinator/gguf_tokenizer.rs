@@ -25,8 +25,10 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 /// model's own tokenizer.json has them (transformers' GGUF converter builds the same).
 fn pre_tokenization(pre: Option<&str>, add_prefix_space: bool) -> Result<(Value, Value, Value)> {
     match pre {
-        // GPT-2's regex inside the byte-level step. "smollm" is here because transformers
-        // builds SmolLM2's tokenizer so from its GGUF (the reference of tests/smollm2.rs).
+        // GPT-2's regex inside the byte-level step: what "gpt2" and "gpt-2" name, and what
+        // transformers builds from any GGUF whatever its split says, SmolLM2's "smollm" among
+        // them (the reference of tests/smollm2.rs). "default" and no field at all are files
+        // written before llama.cpp recorded the split.
         None | Some("default" | "gpt2" | "gpt-2" | "smollm") => Ok((
             Value::Null,
             json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": true, "use_regex": true}),
