@@ -2,9 +2,11 @@
 as a user's Qwen3 GGUF is made. The references stay transformers' outputs on the safetensors
 checkpoints (each fixture's expected.json): a GGUF of the same weights must give them.
 
-    python3 -m pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps -d /tmp/lcpp
+    python3 -m pip install torch transformers numpy sentencepiece cmake scikit-build-core
+    # the sdist (pip reads its metadata, which needs cmake and scikit-build-core at hand)
+    python3 -m pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps \
+        --no-build-isolation -d /tmp/lcpp
     tar xzf /tmp/lcpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcpp   # vendor/llama.cpp inside
-    python3 -m pip install torch transformers numpy sentencepiece
     LLAMA_CPP_DIR=/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp \
         python3 scripts/oracle/make_qwen3_gguf.py tests/fixtures tests/fixtures/qwen3_gguf
 
