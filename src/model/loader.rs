@@ -353,17 +353,27 @@ impl ShardLoader {
                         }
                     }
                 }
-                QuantMode::To(format) => {
-                    let dense = self.slice_as(name, expected_shape, dim, ranges, DType::F32)?;
-                    let (rows, cols) = dense.dims2()?;
-                    let values = dense.flatten_all()?.to_vec1::<f32>()?;
-                    let weight = Weight::from_sliced(super::quant::formats::quantize_matrix(format, rows, cols, values), &self.device)?;
-                    self.progress.record(&weight);
-                    return Ok(weight);
-                }
+                QuantMode::To(_) => return self.weight_from(self.slice_as(name, expected_shape, dim, ranges, DType::F32)?),
             }
         }
         let weight = self.dense(self.matmul_slice(name, expected_shape, dim, ranges)?)?;
+        self.progress.record(&weight);
+        Ok(weight)
+    }
+
+    /// A matrix assembled from slices read through [`Self::matmul_slice`] (an expert's gate and
+    /// up rows joined, one expert of a packed tensor), held as this load holds its matrices: in
+    /// the `--quantize` format on the CPU (each row quantized on its own, so joining and
+    /// quantizing commute), else dense. Counted in the load's formats either way.
+    pub fn weight_from(&self, matrix: Tensor) -> Result<Weight> {
+        let weight = match self.quant {
+            QuantMode::To(format) if self.device.is_cpu() && matrix.rank() == 2 => {
+                let (rows, cols) = matrix.dims2()?;
+                let values = matrix.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                Weight::from_sliced(super::quant::formats::quantize_matrix(format, rows, cols, values), &self.device)?
+            }
+            _ => self.dense(matrix)?,
+        };
         self.progress.record(&weight);
         Ok(weight)
     }

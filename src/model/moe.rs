@@ -95,7 +95,8 @@ impl MoeConfig {
 }
 
 /// This rank's slice of one SwiGLU expert; its output is partial until summed over ranks.
-/// Dense weights, in column panels on a CPU that has them (`ShardLoader::dense`).
+/// Held as the load holds its matrices (`ShardLoader::weight_from`): in the `--quantize` format,
+/// else dense (in column panels on a CPU that has them).
 struct ExpertSlice {
     gate_up: Weight, // [2 * local_intermediate, hidden]: gate rows, then up rows
     down: Weight,    // [hidden, local_intermediate]
@@ -109,7 +110,7 @@ impl ExpertSlice {
         let gate = loader.matmul_slice(&format!("{prefix}.gate_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
         let up = loader.matmul_slice(&format!("{prefix}.up_proj.weight"), &[intermediate, hidden], 0, std::slice::from_ref(&rows))?;
         let down = loader.matmul_slice(&format!("{prefix}.down_proj.weight"), &[hidden, intermediate], 1, &[rows])?;
-        Ok(Self { gate_up: loader.dense(Tensor::cat(&[gate, up], 0)?)?, down: loader.dense(down)? })
+        Ok(Self { gate_up: loader.weight_from(Tensor::cat(&[gate, up], 0)?)?, down: loader.weight_from(down)? })
     }
 
     /// x [tokens, hidden] -> this rank's partial [tokens, hidden]
@@ -151,7 +152,7 @@ impl SparseMoe {
             let gate_up = loader.matmul_slice("experts.gate_up_proj", &[e, 2 * inter, hidden], 1, &[rows.clone(), upper])?;
             let down = loader.matmul_slice("experts.down_proj", &[e, hidden, inter], 2, &[rows])?;
             (0..e)
-                .map(|i| Ok(ExpertSlice { gate_up: loader.dense(gate_up.get(i)?.contiguous()?)?, down: loader.dense(down.get(i)?.contiguous()?)? }))
+                .map(|i| Ok(ExpertSlice { gate_up: loader.weight_from(gate_up.get(i)?.contiguous()?)?, down: loader.weight_from(down.get(i)?.contiguous()?)? }))
                 .collect::<Result<Vec<_>>>()?
         } else {
             (0..e)
