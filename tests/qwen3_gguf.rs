@@ -19,7 +19,6 @@ use tpserve::model::gguf::GgufFile;
 use tpserve::model::loader::LoadProgress;
 use tpserve::model::parallel::TpGroup;
 use tpserve::model::{LoadOptions, Model, Products};
-use tpserve::rank::offline;
 
 use common::qwen3_chat::{CASES, case, inputs, messages, oracle_dir, reference_ids, text};
 use common::{ShardRun, Served, parse_json_stream};
@@ -117,31 +116,17 @@ fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
     let reference = load(&path, "f32");
     let quantized = load(&path, "auto");
     assert!(quantized.weight_bytes() * 3 < reference.weight_bytes(), "{} against {} bytes", quantized.weight_bytes(), reference.weight_bytes());
-    let (mut worst, mut agree, mut steps) = (0f32, 0, 0);
-    for prompt in prompts("qwen3_a") {
-        let greedy = offline::greedy(&reference, 1, &prompt, 16, 0, &[EOS]).unwrap().unwrap();
-        let want = offline::teacher_forced(&reference, 1, &prompt, &greedy.new_ids).unwrap().unwrap();
-        let got = offline::teacher_forced(&quantized, 1, &prompt, &greedy.new_ids).unwrap().unwrap();
-        let (diff, same) = offline::compare_rows(&got, &want);
-        worst = worst.max(diff);
-        agree += same;
-        steps += want.len();
-    }
+    let prompts = prompts("qwen3_a");
+    let (worst, agree, steps) = common::teacher_forced_against(&quantized, &reference, &prompts, EOS);
     eprintln!("qwen3_a Q8_0 GGUF kept in blocks vs dequantized: max |logit diff| = {worst:.3e}, top-1 agreement {agree}/{steps}");
     // The bounds of tests/quant.rs for Q8_0 on these random weights (top-1 margins down to
     // 0.005): a wrong slice or kernel gives chance agreement and errors the size of the logits.
     assert!(agree >= steps * 8 / 10, "top-1 agreement {agree}/{steps}");
     assert!(worst < 2.0, "max |logit diff| {worst}");
 
-    let prompts = prompts("qwen3_a");
     let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts, 2) }.run();
-    for (i, (prompt, got)) in prompts.iter().zip(got).enumerate() {
-        let want = offline::greedy(&quantized, 1, prompt, 16, 0, &[EOS]).unwrap().unwrap();
-        let diff = common::max_abs_diff(&got.last_logits, &want.last_logits);
-        eprintln!("qwen3_a Q8_0 GGUF TP 2 vs TP 1 prompt {i}: max |logit diff| = {diff:.3e}");
-        // Activations are quantized per rank slice at TP 2, so not bit-identical.
-        assert!(diff < 0.05, "prompt {i}: {diff}");
-    }
+    // Activations are quantized per rank slice at TP 2, so not bit-identical.
+    common::assert_group_matches_tp1("qwen3_a Q8_0 GGUF TP 2 vs TP 1", &quantized, &prompts, &got, EOS, 0.05);
 }
 
 /// `tpserve serve --model qwen3_a.q8_0.gguf --tp 2` and `tpserve chat`: the coordinator takes

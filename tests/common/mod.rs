@@ -550,3 +550,34 @@ pub fn assert_matches_oracle(label: &str, case: &str, got: &[tpserve::rank::offl
         assert!(diff < 1e-4, "{label} prompt {i}: logits differ by {diff}");
     }
 }
+
+/// `model` against `reference` (the exact path), teacher-forced over the reference's own 16
+/// greedy ids (EOS `eos` suppressed) after each prompt: (largest logit difference, steps whose
+/// top-1 agrees, steps).
+pub fn teacher_forced_against(model: &tpserve::model::Model, reference: &tpserve::model::Model, prompts: &[Vec<u32>], eos: u32) -> (f32, usize, usize) {
+    use tpserve::rank::offline;
+    let (mut worst, mut agree, mut steps) = (0f32, 0, 0);
+    for prompt in prompts {
+        let greedy = offline::greedy(reference, 1, prompt, 16, 0, &[eos]).unwrap().unwrap();
+        let want = offline::teacher_forced(reference, 1, prompt, &greedy.new_ids).unwrap().unwrap();
+        let got = offline::teacher_forced(model, 1, prompt, &greedy.new_ids).unwrap().unwrap();
+        let (diff, same) = offline::compare_rows(&got, &want);
+        worst = worst.max(diff);
+        agree += same;
+        steps += want.len();
+    }
+    (worst, agree, steps)
+}
+
+/// A TP group's results (rank 0's, one per prompt) against `model` run in this process at TP 1
+/// (16 greedy ids, EOS `eos` suppressed): the last prompt position's logits within `tolerance`,
+/// each difference printed under `label`.
+pub fn assert_group_matches_tp1(label: &str, model: &tpserve::model::Model, prompts: &[Vec<u32>], got: &[tpserve::rank::offline::PromptResult], eos: u32, tolerance: f32) {
+    assert_eq!(got.len(), prompts.len(), "{label}: one result per prompt");
+    for (i, (prompt, got)) in prompts.iter().zip(got).enumerate() {
+        let want = tpserve::rank::offline::greedy(model, 1, prompt, 16, 0, &[eos]).unwrap().unwrap();
+        let diff = max_abs_diff(&got.last_logits, &want.last_logits);
+        println!("{label} prompt {i}: max |logit diff| = {diff:.3e}");
+        assert!(diff < tolerance, "{label} prompt {i}: {diff}");
+    }
+}
