@@ -1,4 +1,5 @@
-//! Exact parity of the Qwen3 model core with the Hugging Face reference (tests/fixtures).
+//! Exact parity of the dense model core (Qwen3; Llama 3 with its RoPE scaling) with the
+//! Hugging Face reference (tests/fixtures).
 
 mod common;
 
@@ -23,7 +24,7 @@ fn load_single(name: &str) -> Model {
 /// TP 1 in-process: the arithmetic alone, before any communication is involved.
 #[test]
 fn tp1_in_process_matches_reference() {
-    for name in ["qwen3_a", "qwen3_b", "qwen3_c_bf16"] {
+    for name in ["qwen3_a", "qwen3_b", "qwen3_c_bf16", "llama3_a"] {
         let model = load_single(name);
         for (i, prompt) in common::expected(name).iter().enumerate() {
             let result = offline::greedy(&model, 1, &prompt.ids, 16, 0, &[EOS]).unwrap().unwrap();
@@ -57,7 +58,7 @@ fn run_group_with(name: &str, tp: usize, chunk: usize, transport: Transport, dty
 }
 
 fn check_parity(tp: usize, transport: Transport) {
-    for name in ["qwen3_a", "qwen3_b", "qwen3_c_bf16"] {
+    for name in ["qwen3_a", "qwen3_b", "qwen3_c_bf16", "llama3_a"] {
         let run = run_group(name, tp, 0, transport);
         common::assert_matches_oracle(&format!("{name} TP {tp}"), name, &run.prompts);
     }

@@ -1,5 +1,5 @@
 //! Qwen3 from GGUF files, as llama.cpp's converter writes them (tests/fixtures/qwen3_gguf, from
-//! scripts/oracle/make_qwen3_gguf.py): the tiny qwen3_a and qwen3_b fixtures in f32 and Q8_0,
+//! scripts/oracle/make_gguf.py): the tiny qwen3_a and qwen3_b fixtures in f32 and Q8_0,
 //! qwen3_c_bf16 in bf16, and the real Qwen3 tokenizer and chat template as a vocabulary-only
 //! file.
 //!
@@ -9,19 +9,14 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::Stdio;
-use std::sync::Arc;
 
-use candle_core::Device;
 use tokenizers::Tokenizer;
 use tpserve::coordinator::gguf_tokenizer;
 use tpserve::model::gguf::GgufFile;
-use tpserve::model::loader::LoadProgress;
-use tpserve::model::parallel::TpGroup;
-use tpserve::model::{LoadOptions, Model, Products};
+use tpserve::model::Model;
 
 use common::qwen3_chat::{CASES, case, inputs, messages, oracle_dir, reference_ids, text};
-use common::{ShardRun, Served, parse_json_stream};
+use common::ShardRun;
 
 const EOS: u32 = 2;
 
@@ -33,12 +28,8 @@ fn prompts(case: &str) -> Vec<Vec<u32>> {
     common::expected(case).into_iter().map(|p| p.ids).collect()
 }
 
-/// `path` loaded in this process at TP 1: `--dtype f32` (dequantized, exact) or `auto` (a
-/// quantized file stays in its blocks).
 fn load(path: &std::path::Path, dtype: &str) -> Model {
-    let (dtype, quant) = tpserve::model::parse_load_dtype(dtype, "", &Device::Cpu, path).unwrap();
-    let options = LoadOptions { dtype, device: Device::Cpu, products: Products::Exact };
-    Model::load_quantized(path, &TpGroup::single(), &options, quant, Arc::new(LoadProgress::default())).unwrap()
+    common::load_tp1(path, dtype).0
 }
 
 /// The tokenizer built from the converter's metadata (split "qwen2": Qwen's regex and NFC)
@@ -134,19 +125,5 @@ fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
 /// startup log says so), and a greedy chat streams to its length limit.
 #[test]
 fn serve_streams_a_chat_from_a_qwen3_gguf() {
-    let path = gguf("qwen3_a.q8_0.gguf");
-    let server = Served::start_with(path.to_str().unwrap(), 2, &[]);
-    let output = common::tpserve()
-        .args(["chat", "--server", &server.address, "--message", "hello world"])
-        .args(["--json", "--temperature", "0", "--max-tokens", "12", "--ignore-eos"])
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "chat failed: {stdout}");
-    let (ids, last) = parse_json_stream(&stdout);
-    assert_eq!(ids.len(), 12, "{stdout}");
-    assert_eq!(last["finish_reason"], "length", "{last}");
-    let log = server.log();
-    assert!(log.contains("q8_0"), "the ranks' startup log names the format they hold:\n{log}");
+    common::assert_serves_a_chat(&gguf("qwen3_a.q8_0.gguf"), 2, "q8_0");
 }

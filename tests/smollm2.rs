@@ -250,13 +250,7 @@ fn quantized_gguf_matches_llama_cpp_and_stays_close_to_the_f32_path() {
     assert_eq!(ids(&llama["prompts"][0]["prompt_ids"]), prompt_ids);
     let llama_ids = ids(&llama["prompts"][0]["greedy_new_ids"]);
 
-    let load = |dtype: &str| {
-        let (dtype, quant) = tpserve::model::parse_load_dtype(dtype, "", &candle_core::Device::Cpu, path).unwrap();
-        let options = tpserve::model::LoadOptions { dtype, device: candle_core::Device::Cpu, products: tpserve::model::Products::Exact };
-        let progress = std::sync::Arc::new(tpserve::model::loader::LoadProgress::default());
-        let model = tpserve::model::Model::load_quantized(path, &tpserve::model::parallel::TpGroup::single(), &options, quant, progress.clone()).unwrap();
-        (model, progress)
-    };
+    let load = |dtype: &str| common::load_tp1(path, dtype);
     let (reference, _) = load("f32");
     let (quantized, progress) = load("auto");
     eprintln!(

@@ -21,32 +21,58 @@ const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 /// and a letter run may take one leading non-letter, non-digit character.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Llama 3's split: Qwen2's, but digits in runs of up to three.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// How the text is cut and normalised before BPE for one `tokenizer.ggml.pre` name.
+struct PreTokenization {
+    normalizer: Value,
+    pre_tokenizer: Value,
+    decoder: Value,
+    /// A piece that is itself in the vocabulary is one token, whatever the merges would make of
+    /// it (Llama 3's tokenizer.json sets this).
+    ignore_merges: bool,
+}
+
 /// The normalizer, pre-tokenizer and decoder of the split `tokenizer.ggml.pre` names, as the
 /// model's own tokenizer.json has them (transformers' GGUF converter builds the same).
-fn pre_tokenization(pre: Option<&str>, add_prefix_space: bool) -> Result<(Value, Value, Value)> {
+fn pre_tokenization(pre: Option<&str>, add_prefix_space: bool) -> Result<PreTokenization> {
+    // The split regex inside a Sequence, then the byte-level step without its own regex.
+    let split_then_bytes = |regex: &str, trim_offsets: bool| {
+        json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": trim_offsets, "use_regex": false},
+        ]})
+    };
     match pre {
         // GPT-2's regex inside the byte-level step: what "gpt2" and "gpt-2" name, and what
         // transformers builds from any GGUF whatever its split says, SmolLM2's "smollm" among
         // them (the reference of tests/smollm2.rs). "default" and no field at all are files
         // written before llama.cpp recorded the split.
-        None | Some("default" | "gpt2" | "gpt-2" | "smollm") => Ok((
-            Value::Null,
-            json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": true, "use_regex": true}),
-            json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
-        )),
-        Some("qwen2") => Ok((
-            json!({"type": "NFC"}),
-            json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": false},
-                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
-            ]}),
-            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}),
-        )),
+        None | Some("default" | "gpt2" | "gpt-2" | "smollm") => Ok(PreTokenization {
+            normalizer: Value::Null,
+            pre_tokenizer: json!({"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": true, "use_regex": true}),
+            decoder: json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+            ignore_merges: false,
+        }),
+        Some("qwen2") => Ok(PreTokenization {
+            normalizer: json!({"type": "NFC"}),
+            pre_tokenizer: split_then_bytes(QWEN2_SPLIT, false),
+            decoder: json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}),
+            ignore_merges: false,
+        }),
+        // Llama 3.x (and models that reuse its tokenizer). No normalizer.
+        Some("llama-bpe") => Ok(PreTokenization {
+            normalizer: Value::Null,
+            pre_tokenizer: split_then_bytes(LLAMA3_SPLIT, true),
+            decoder: json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+            ignore_merges: true,
+        }),
         // Another split would tokenize text differently from the model's training: refused
         // rather than served with wrong ids.
         Some(other) => bail!(
             "GGUF metadata \"tokenizer.ggml.pre\" is \"{other}\", a pre-tokenizer tpserve does not implement \
-             (default, gpt2, gpt-2, smollm, qwen2)"
+             (default, gpt2, gpt-2, smollm, qwen2, llama-bpe)"
         ),
     }
 }
@@ -58,7 +84,7 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Value> {
         bail!("GGUF tokenizer model \"{model}\" is not supported (only gpt2, byte-level BPE)");
     }
     let add_prefix_space = file.opt_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
-    let (normalizer, pre_tokenizer, decoder) = pre_tokenization(file.opt_string("tokenizer.ggml.pre")?, add_prefix_space)?;
+    let pre = pre_tokenization(file.opt_string("tokenizer.ggml.pre")?, add_prefix_space)?;
     let tokens = file.string_list("tokenizer.ggml.tokens")?;
     let merges = file.string_list("tokenizer.ggml.merges")?;
     let types = file.opt_int_list("tokenizer.ggml.token_type")?.unwrap_or_default();
@@ -96,18 +122,18 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<Value> {
         "truncation": null,
         "padding": null,
         "added_tokens": added,
-        "normalizer": normalizer,
-        "pre_tokenizer": pre_tokenizer,
+        "normalizer": pre.normalizer,
+        "pre_tokenizer": pre.pre_tokenizer,
         "post_processor": {
             "type": "TemplateProcessing",
             "single": single.0,
             "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
             "special_tokens": special_tokens,
         },
-        "decoder": decoder,
+        "decoder": pre.decoder,
         "model": {
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": "",
-            "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "end_of_word_suffix": "", "fuse_unk": false, "byte_fallback": false, "ignore_merges": pre.ignore_merges,
             "vocab": vocab, "merges": merges,
         },
     }))
@@ -140,16 +166,16 @@ mod tests {
 
     #[test]
     fn refuses_a_split_it_does_not_implement() {
-        let err = format!("{:#}", pre_tokenization(Some("llama-bpe"), false).unwrap_err());
-        assert!(err.contains("\"llama-bpe\"") && err.contains("qwen2"), "{err}");
+        let err = format!("{:#}", pre_tokenization(Some("deepseek-llm"), false).err().unwrap());
+        assert!(err.contains("\"deepseek-llm\"") && err.contains("llama-bpe"), "{err}");
     }
 
     /// Qwen's split keeps digits apart and lets a letter run take one leading symbol.
     #[test]
     fn qwen2_splits_like_qwen() {
-        let (normalizer, pre, _) = pre_tokenization(Some("qwen2"), false).unwrap();
-        assert_eq!(normalizer["type"], "NFC");
-        let pre: tokenizers::PreTokenizerWrapper = serde_json::from_value(pre).unwrap();
+        let split = pre_tokenization(Some("qwen2"), false).unwrap();
+        assert_eq!(split.normalizer["type"], "NFC");
+        let pre: tokenizers::PreTokenizerWrapper = serde_json::from_value(split.pre_tokenizer).unwrap();
         let mut text = tokenizers::PreTokenizedString::from("(abc 2024 I'LL");
         tokenizers::PreTokenizer::pre_tokenize(&pre, &mut text).unwrap();
         let pieces: Vec<String> = text.get_splits(tokenizers::OffsetReferential::Original, tokenizers::OffsetType::Char).into_iter().map(|(s, _, _)| s.to_owned()).collect();

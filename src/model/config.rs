@@ -69,6 +69,7 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub attention_bias: bool,
@@ -147,7 +148,7 @@ impl ModelConfig {
         if text.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
             bail!("use_sliding_window=true is not supported");
         }
-        check_rope_scaling(text)?;
+        let rope_scaling = rope_scaling(text)?;
         let intermediate_size = match family {
             ModelFamily::Qwen3_5Moe => reader.opt_usize("intermediate_size")?.unwrap_or(0),
             _ => reader.usize("intermediate_size")?,
@@ -170,6 +171,7 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: reader.opt_f64("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta: rope_theta(text)?,
+            rope_scaling,
             max_position_embeddings: reader.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings,
             attention_bias: text.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
@@ -317,17 +319,54 @@ fn rope_theta(root: &Value) -> Result<f64> {
     }
 }
 
-/// Scaled RoPE variants change the numerics; refusing them beats silently wrong output.
-fn check_rope_scaling(root: &Value) -> Result<()> {
+/// How a checkpoint stretches RoPE's frequencies beyond the default `theta^(-2i/d)`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Llama 3.x (`rope_type: "llama3"`): frequencies whose wavelength exceeds
+    /// `original_max_position_embeddings / low_freq_factor` are divided by `factor`, those
+    /// shorter than `.. / high_freq_factor` kept, and a linear ramp between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    /// One divisor per frequency, as a GGUF file stores Llama 3's scaling (`rope_freqs.weight`,
+    /// computed by llama.cpp's converter from the parameters above).
+    Divisors(Vec<f32>),
+}
+
+/// `rope_parameters` (transformers 5) or `rope_scaling` (earlier checkpoints). Other scaled
+/// variants change the numerics in ways not implemented here: refusing them beats silently
+/// wrong output.
+fn rope_scaling(root: &Value) -> Result<RopeScaling> {
+    let mut scaling = RopeScaling::None;
     for key in ["rope_scaling", "rope_parameters"] {
-        if let Some(kind) = root.get(key).and_then(|p| p.get("rope_type")).and_then(Value::as_str)
-        {
-            if kind != "default" {
-                bail!("{key}.rope_type \"{kind}\" is not supported (only default RoPE)");
-            }
+        let Some(params) = root.get(key).filter(|p| p.is_object()) else { continue };
+        let kind = params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str);
+        match kind {
+            None | Some("default") => {}
+            Some("llama3") => scaling = llama3_scaling(key, &Fields(params))?,
+            Some(other) => bail!("{key}.rope_type \"{other}\" is not supported (default, llama3)"),
         }
     }
-    Ok(())
+    Ok(scaling)
+}
+
+fn llama3_scaling(key: &str, params: &Fields) -> Result<RopeScaling> {
+    let positive = |name: &str| -> Result<f64> {
+        match params.opt_f64(name).with_context(|| format!("in {key}"))? {
+            Some(v) if v > 0.0 => Ok(v),
+            Some(v) => bail!("{key}.{name} must be positive, got {v}"),
+            None => bail!("{key}.{name} is required by rope_type \"llama3\""),
+        }
+    };
+    let (low_freq_factor, high_freq_factor) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
+    if high_freq_factor <= low_freq_factor {
+        bail!("{key}.high_freq_factor ({high_freq_factor}) must exceed low_freq_factor ({low_freq_factor})");
+    }
+    Ok(RopeScaling::Llama3 {
+        factor: positive("factor")?,
+        low_freq_factor,
+        high_freq_factor,
+        original_max_position_embeddings: positive("original_max_position_embeddings")?,
+    })
 }
 
 fn token_ids(value: Option<&Value>, name: &str) -> Result<Vec<u32>> {
@@ -371,6 +410,33 @@ mod tests {
     fn accepts_top_level_rope_theta() {
         let text = QWEN3.replace(r#""rope_parameters":{"rope_theta":1e6,"rope_type":"default"}"#, r#""rope_theta":5e5"#);
         assert_eq!(ModelConfig::from_json_str(&text).unwrap().rope_theta, 5e5);
+    }
+
+    /// Llama 3.1's config.json (`rope_scaling`, top-level rope_theta) and transformers 5's
+    /// (`rope_parameters`) give the same scaling; other scaled variants and incomplete
+    /// parameters are refused with the field named.
+    #[test]
+    fn reads_llama3_rope_scaling_and_refuses_other_kinds() {
+        let params = r#""factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192"#;
+        let want = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 };
+        let default = r#""rope_parameters":{"rope_theta":1e6,"rope_type":"default"}"#;
+        let old = QWEN3.replace(default, &format!(r#""rope_theta":5e5,"rope_scaling":{{"rope_type":"llama3",{params}}}"#));
+        let new = QWEN3.replace(default, &format!(r#""rope_parameters":{{"rope_type":"llama3","rope_theta":5e5,{params}}}"#));
+        for text in [old, new] {
+            let config = ModelConfig::from_json_str(&text).unwrap();
+            assert_eq!((config.rope_theta, &config.rope_scaling), (5e5, &want));
+        }
+        assert_eq!(ModelConfig::from_json_str(QWEN3).unwrap().rope_scaling, RopeScaling::None);
+
+        let refused = |replacement: &str| format!("{:#}", ModelConfig::from_json_str(&QWEN3.replace(default, replacement)).unwrap_err());
+        let err = refused(r#""rope_scaling":{"type":"yarn","factor":4.0}"#);
+        assert!(err.contains("rope_scaling.rope_type \"yarn\"") && err.contains("llama3"), "{err}");
+        let err = refused(r#""rope_parameters":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0}"#);
+        assert!(err.contains("rope_parameters.original_max_position_embeddings is required"), "{err}");
+        let err = refused(r#""rope_parameters":{"rope_type":"llama3","factor":8.0,"low_freq_factor":4.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#);
+        assert!(err.contains("must exceed low_freq_factor"), "{err}");
+        let err = refused(r#""rope_parameters":{"rope_type":"llama3","factor":-8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#);
+        assert!(err.contains("rope_parameters.factor must be positive"), "{err}");
     }
 
     #[test]

@@ -118,7 +118,7 @@ impl Model {
         } else {
             bail!("tensor \"lm_head.weight\" is missing and tie_word_embeddings is false");
         };
-        let rotary = Rotary::new(rotary_dim, config.rope_theta, config.max_position_embeddings, root.device())?;
+        let rotary = Rotary::new(rotary_dim, config.rope_theta, &config.rope_scaling, config.max_position_embeddings, root.device())?;
         Ok(Self { embed, layers, norm, lm_head, rotary, config: config.clone(), group: group.clone() })
     }
 

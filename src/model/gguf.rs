@@ -9,7 +9,8 @@
 //! For Llama, llama.cpp's converter permutes the rows of the q and k projections for its
 //! interleaved RoPE; we undo that here so the shared rotate-half RoPE of [`super::rope`] applies
 //! unchanged. Qwen3 files keep Hugging Face's row order (llama.cpp runs them with rotate-half
-//! RoPE).
+//! RoPE). Llama 3's RoPE scaling arrives as a tensor, `rope_freqs.weight`, one divisor per
+//! frequency; it becomes the config's [`RopeScaling::Divisors`].
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -20,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
 
-use super::config::ModelConfig;
+use super::config::{ModelConfig, RopeScaling};
 
 /// Whether `path` names a GGUF file (rather than a model directory).
 pub fn is_gguf(path: &Path) -> bool {
@@ -156,9 +157,6 @@ impl GgufFile {
                 bail!("GGUF metadata \"{}\" is \"{kind}\": scaled RoPE is not supported", key("rope.scaling.type"));
             }
         }
-        if self.has_tensor("rope_freqs.weight") {
-            bail!("GGUF tensor \"rope_freqs.weight\" (Llama 3 RoPE scaling) is not supported");
-        }
         let hidden = self.u64(&key("embedding_length"))?;
         let heads = self.u64(&key("attention.head_count"))?;
         let kv_heads = self.opt_u64(&key("attention.head_count_kv"))?.unwrap_or(heads);
@@ -199,8 +197,31 @@ impl GgufFile {
 
     pub fn model_config(&self) -> Result<ModelConfig> {
         let json = self.config_json()?;
-        ModelConfig::from_json_str(&json.to_string())
-            .with_context(|| format!("invalid model metadata in {}", self.path.display()))
+        let mut config = ModelConfig::from_json_str(&json.to_string())
+            .with_context(|| format!("invalid model metadata in {}", self.path.display()))?;
+        if let Some(divisors) = self.rope_divisors()? {
+            config.rope_scaling = RopeScaling::Divisors(divisors);
+        }
+        Ok(config)
+    }
+
+    /// `rope_freqs.weight`: what llama.cpp's converter writes for Llama 3's RoPE scaling, the
+    /// divisor of each frequency (a few hundred bytes, read here rather than by the loader).
+    fn rope_divisors(&self) -> Result<Option<Vec<f32>>> {
+        const NAME: &str = "rope_freqs.weight";
+        if !self.has_tensor(NAME) {
+            return Ok(None);
+        }
+        let read = || -> Result<Vec<f32>> {
+            let mut file = File::open(&self.path)?;
+            let tensor = self.content.tensor(&mut file, NAME, &Device::Cpu)?;
+            let divisors = tensor.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+            if let Some(bad) = divisors.iter().find(|d| !(d.is_finite() && **d > 0.0)) {
+                bail!("holds {bad}; every divisor must be a positive number");
+            }
+            Ok(divisors)
+        };
+        read().map(Some).with_context(|| format!("cannot read GGUF tensor \"{NAME}\" of {}", self.path.display()))
     }
 }
 

@@ -537,6 +537,19 @@ pub fn assert_same_tokenization(ours: &tokenizers::Tokenizer, reference: &tokeni
     }
 }
 
+/// `path` loaded in this process at TP 1 as `--dtype dtype` would load it (`f32`: dequantized,
+/// exact; `auto`: a quantized file stays in its blocks), with its load progress (the formats
+/// held).
+pub fn load_tp1(path: &std::path::Path, dtype: &str) -> (tpserve::model::Model, std::sync::Arc<tpserve::model::loader::LoadProgress>) {
+    let device = candle_core::Device::Cpu;
+    let (dtype, quant) = tpserve::model::parse_load_dtype(dtype, "", &device, path).unwrap();
+    let options = tpserve::model::LoadOptions { dtype, device, products: tpserve::model::Products::Exact };
+    let progress = std::sync::Arc::new(tpserve::model::loader::LoadProgress::default());
+    let group = tpserve::model::parallel::TpGroup::single();
+    let model = tpserve::model::Model::load_quantized(path, &group, &options, quant, progress.clone()).unwrap();
+    (model, progress)
+}
+
 /// A group's results (rank 0's, one per prompt) against the oracle's for fixture `case`: the
 /// greedy ids equal and the last prompt position's logits within float32 noise (1e-4), each
 /// difference printed under `label`.
@@ -580,4 +593,24 @@ pub fn assert_group_matches_tp1(label: &str, model: &tpserve::model::Model, prom
         println!("{label} prompt {i}: max |logit diff| = {diff:.3e}");
         assert!(diff < tolerance, "{label} prompt {i}: {diff}");
     }
+}
+
+/// `tpserve serve --model <model> --tp <tp>` and `tpserve chat`: a greedy chat (through the
+/// model's own chat template) streams to its 12-token limit, and the ranks' startup log names
+/// `format`, the format they hold the weights in.
+pub fn assert_serves_a_chat(model: &std::path::Path, tp: usize, format: &str) {
+    let server = Served::start_with(model.to_str().unwrap(), tp, &[]);
+    let output = tpserve()
+        .args(["chat", "--server", &server.address, "--message", "hello world"])
+        .args(["--json", "--temperature", "0", "--max-tokens", "12", "--ignore-eos"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "chat failed: {stdout}");
+    let (ids, last) = parse_json_stream(&stdout);
+    assert_eq!(ids.len(), 12, "{stdout}");
+    assert_eq!(last["finish_reason"], "length", "{last}");
+    let log = server.log();
+    assert!(log.contains(format), "the ranks' startup log names the format they hold:\n{log}");
 }

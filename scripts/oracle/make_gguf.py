@@ -1,5 +1,5 @@
-"""GGUF files of the Qwen3 fixtures, made by llama.cpp's own converter (convert_hf_to_gguf.py),
-as a user's Qwen3 GGUF is made. The references stay transformers' outputs on the safetensors
+"""GGUF files of the Qwen3 and Llama 3 fixtures, made by llama.cpp's own converter
+(convert_hf_to_gguf.py), as a user's GGUF is made. The references stay transformers' outputs on the safetensors
 checkpoints (each fixture's expected.json): a GGUF of the same weights must give them.
 
     python3 -m pip install torch transformers numpy sentencepiece cmake scikit-build-core
@@ -8,10 +8,14 @@ checkpoints (each fixture's expected.json): a GGUF of the same weights must give
         --no-build-isolation -d /tmp/lcpp
     tar xzf /tmp/lcpp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcpp   # vendor/llama.cpp inside
     LLAMA_CPP_DIR=/tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp \
-        python3 scripts/oracle/make_qwen3_gguf.py tests/fixtures tests/fixtures/qwen3_gguf
+        python3 scripts/oracle/make_gguf.py tests/fixtures
 
-Writes qwen3_a.f32.gguf, qwen3_a.q8_0.gguf, qwen3_b.f32.gguf, qwen3_c_bf16.bf16.gguf (weights) and
-qwen3_tokenizer.gguf (the real Qwen3 tokenizer and chat template of qwen3_chat, --vocab-only).
+Writes into qwen3_gguf/: qwen3_a.f32.gguf, qwen3_a.q8_0.gguf, qwen3_b.f32.gguf,
+qwen3_c_bf16.bf16.gguf (weights) and qwen3_tokenizer.gguf (the real Qwen3 tokenizer and chat
+template of qwen3_chat, --vocab-only); into llama3_gguf/: llama3_a.f32.gguf and llama3_a.q8_0.gguf
+(Llama 3 RoPE scaling, which the converter stores as the `rope_freqs.weight` tensor) and llama.cpp's
+own Llama 3 vocabulary test (models/ggml-vocab-llama-bpe.gguf: Meta-Llama-3-8B's tokenizer,
+split "llama-bpe", with the .inp strings and the .out ids transformers' tokenizer gives them).
 
 The tiny fixtures' tokenizer is a 448-token byte-level BPE with GPT-2's split, which the
 converter's table of known tokenizers does not list; it is written as llama.cpp's "gpt-2" (the
@@ -20,8 +24,11 @@ same split). The real Qwen3 tokenizer is recognised by the converter itself ("qw
 import json, os, runpy, shutil, subprocess, sys, tempfile
 
 llama_cpp = os.environ["LLAMA_CPP_DIR"]
-fixtures, out = sys.argv[1], sys.argv[2]
+fixtures = sys.argv[1]
+out = os.path.join(fixtures, "qwen3_gguf")
+llama_out = os.path.join(fixtures, "llama3_gguf")
 os.makedirs(out, exist_ok=True)
+os.makedirs(llama_out, exist_ok=True)
 
 
 def convert(model_dir, outfile, *args, pre=None):
@@ -50,3 +57,8 @@ with tempfile.TemporaryDirectory() as tmp:
     config["vocab_size"] = 151936
     json.dump(config, open(os.path.join(d, "config.json"), "w"))
     convert(d, os.path.join(out, "qwen3_tokenizer.gguf"), "--vocab-only")
+
+for outtype in ["f32", "q8_0"]:
+    convert(os.path.join(fixtures, "llama3_a"), os.path.join(llama_out, f"llama3_a.{outtype}.gguf"), "--outtype", outtype, pre="gpt-2")
+for suffix in ["", ".inp", ".out"]:
+    shutil.copy(os.path.join(llama_cpp, "models", "ggml-vocab-llama-bpe.gguf" + suffix), llama_out)

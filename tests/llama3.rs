@@ -1,0 +1,157 @@
+//! Llama 3: its RoPE scaling and its tokenizer's split, from safetensors and from GGUF files
+//! as llama.cpp's converter writes them (tests/fixtures/llama3_gguf, scripts/oracle/make_gguf.py).
+//!
+//! The references are transformers' outputs on the llama3_a safetensors checkpoint (its
+//! expected.json) and the ids transformers' tokenizer of Meta-Llama-3-8B gives llama.cpp's
+//! vocabulary test strings (ggml-vocab-llama-bpe.gguf.inp / .out, from llama.cpp's models/).
+
+mod common;
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+use tokenizers::Tokenizer;
+use tpserve::coordinator::gguf_tokenizer;
+use tpserve::model::config::RopeScaling;
+use tpserve::model::gguf::GgufFile;
+use tpserve::rank::offline;
+
+use common::ShardRun;
+
+const EOS: u32 = 2;
+
+fn gguf(name: &str) -> PathBuf {
+    common::fixture("llama3_gguf").join(name)
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    common::expected("llama3_a").into_iter().map(|p| p.ids).collect()
+}
+
+/// llama.cpp's vocabulary test: each string of the .inp file and the ids of the same line of
+/// the .out file.
+fn vocabulary_test() -> Vec<(String, Vec<u32>)> {
+    let inputs = std::fs::read_to_string(gguf("ggml-vocab-llama-bpe.gguf.inp")).unwrap();
+    let outputs = std::fs::read_to_string(gguf("ggml-vocab-llama-bpe.gguf.out")).unwrap();
+    let mut texts: Vec<&str> = inputs.split("\n__ggml_vocab_test__\n").collect();
+    assert_eq!(texts.pop(), Some(""), "every string ends with the separator");
+    let ids: Vec<Vec<u32>> = outputs.lines().map(|line| line.split_whitespace().map(|id| id.parse().unwrap()).collect()).collect();
+    assert_eq!(texts.len(), ids.len());
+    texts.into_iter().map(str::to_owned).zip(ids).collect()
+}
+
+/// How many of the vocabulary test's strings `tokenizer` encodes to other ids than transformers.
+fn mismatches(tokenizer: &Tokenizer, cases: &[(String, Vec<u32>)]) -> Vec<String> {
+    cases
+        .iter()
+        .filter(|(text, ids)| tokenizer.encode(text.as_str(), false).unwrap().get_ids() != ids.as_slice())
+        .map(|(text, _)| text.clone())
+        .collect()
+}
+
+/// The tokenizer built from a Llama 3 GGUF's metadata (split "llama-bpe": Llama 3's regex, and
+/// a piece found whole in the vocabulary kept whole) gives transformers' ids for every string of
+/// llama.cpp's vocabulary test and decodes them back to the string. GPT-2's split or BPE that
+/// applies merges to every piece each miss some, so the test tells them apart.
+#[test]
+fn llama_bpe_tokenizer_matches_transformers() {
+    let file = GgufFile::open(&gguf("ggml-vocab-llama-bpe.gguf")).unwrap();
+    assert_eq!(file.opt_string("tokenizer.ggml.pre").unwrap(), Some("llama-bpe"));
+    let json = gguf_tokenizer::tokenizer_json(&file).unwrap();
+    let ours: Tokenizer = json.to_string().parse().unwrap();
+    assert_eq!(ours.get_vocab_size(true), 128_256);
+    let cases = vocabulary_test();
+    assert!(cases.len() >= 40, "{} strings", cases.len());
+    assert_eq!(mismatches(&ours, &cases), Vec::<String>::new());
+    for (text, ids) in &cases {
+        assert_eq!(&ours.decode(ids, false).unwrap(), text, "ids {ids:?} decode back");
+    }
+
+    let variant = |edit: &dyn Fn(&mut Value)| -> Tokenizer {
+        let mut json = json.clone();
+        edit(&mut json);
+        json.to_string().parse().unwrap()
+    };
+    let gpt2_split = variant(&|j| j["pre_tokenizer"] = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}));
+    let all_merges = variant(&|j| j["model"]["ignore_merges"] = false.into());
+    let (gpt2, merged) = (mismatches(&gpt2_split, &cases), mismatches(&all_merges, &cases));
+    println!("strings tokenized differently: GPT-2's split {}, every piece merged {}", gpt2.len(), merged.len());
+    assert!(!gpt2.is_empty() && !merged.is_empty(), "the vocabulary test must tell each variant apart");
+}
+
+/// The converter stores Llama 3's RoPE scaling as one divisor per frequency
+/// (`rope_freqs.weight`); the config read from the file carries them.
+#[test]
+fn gguf_config_carries_the_rope_divisors() {
+    let config = GgufFile::open(&gguf("llama3_a.f32.gguf")).unwrap().model_config().unwrap();
+    assert_eq!((config.model_type.as_str(), config.rope_theta), ("llama", 500_000.0));
+    let RopeScaling::Divisors(divisors) = &config.rope_scaling else { panic!("{:?}", config.rope_scaling) };
+    assert_eq!(divisors.len(), config.head_dim / 2);
+    assert_eq!((divisors[0], divisors[7]), (1.0, 32.0), "{divisors:?}");
+}
+
+/// The fixture tells scaled from plain RoPE: the same checkpoint with its rope_parameters set
+/// to the default misses transformers' logits by far more than float32 noise.
+#[test]
+fn without_its_rope_scaling_the_model_misses_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = common::fixture("llama3_a");
+    for entry in std::fs::read_dir(&source).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap()).unwrap();
+    config["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 500000.0});
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+
+    let (plain, _) = common::load_tp1(dir.path(), "f32");
+    let expected = common::expected("llama3_a");
+    let worst = expected
+        .iter()
+        .map(|prompt| {
+            let got = offline::greedy(&plain, 1, &prompt.ids, 1, 0, &[EOS]).unwrap().unwrap();
+            common::max_abs_diff(&got.last_logits, &prompt.last_logits)
+        })
+        .fold(0f32, f32::max);
+    println!("llama3_a with default RoPE: max |logit - transformers| = {worst:.3e}");
+    assert!(worst > 1e-2, "default RoPE gives the scaled reference's logits ({worst}): the fixture does not test the scaling");
+}
+
+/// The f32 file through the ranks' model code at TP 1 and 2 (q/k rows un-permuted, RoPE
+/// divided per frequency): greedy ids equal transformers' on the safetensors checkpoint and the
+/// last prompt position's logits within float32 noise.
+#[test]
+fn f32_file_matches_transformers_at_tp1_and_tp2() {
+    let path = gguf("llama3_a.f32.gguf");
+    for tp in [1, 2] {
+        let got = ShardRun::new(&path, &prompts(), tp).run();
+        common::assert_matches_oracle(&format!("llama3_a GGUF f32 TP {tp}"), "llama3_a", &got);
+    }
+}
+
+/// The Q8_0 file kept in its blocks (`--dtype auto`) against the same file dequantized
+/// (`--dtype f32`), teacher-forced over the f32 path's greedy ids; and a TP 2 group against the
+/// in-process TP 1 run.
+#[test]
+fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
+    let path = gguf("llama3_a.q8_0.gguf");
+    let (reference, _) = common::load_tp1(&path, "f32");
+    let (quantized, _) = common::load_tp1(&path, "auto");
+    assert!(quantized.weight_bytes() * 3 < reference.weight_bytes(), "{} against {} bytes", quantized.weight_bytes(), reference.weight_bytes());
+    let prompts = prompts();
+    let (worst, agree, steps) = common::teacher_forced_against(&quantized, &reference, &prompts, EOS);
+    println!("llama3_a Q8_0 GGUF kept in blocks vs dequantized: max |logit diff| = {worst:.3e}, top-1 agreement {agree}/{steps}");
+    // As in tests/quant.rs for Q8_0: a wrong slice or kernel gives chance agreement and errors
+    // the size of the logits.
+    assert!(agree >= steps * 8 / 10, "top-1 agreement {agree}/{steps}");
+    assert!(worst < 2.0, "max |logit diff| {worst}");
+
+    let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts, 2) }.run();
+    common::assert_group_matches_tp1("llama3_a Q8_0 GGUF TP 2 vs TP 1", &quantized, &prompts, &got, EOS, 0.05);
+}
+
+/// `tpserve serve` of the Q8_0 file at TP 2 streams a chat.
+#[test]
+fn serve_streams_a_chat_from_a_llama3_gguf() {
+    common::assert_serves_a_chat(&gguf("llama3_a.q8_0.gguf"), 2, "q8_0");
+}
