@@ -2,8 +2,9 @@
 //! as llama.cpp's converter writes them (tests/fixtures/llama3_gguf, scripts/oracle/make_gguf.py).
 //!
 //! The references are transformers' outputs on the llama3_a safetensors checkpoint (its
-//! expected.json) and the ids transformers' tokenizer of Meta-Llama-3-8B gives llama.cpp's
-//! vocabulary test strings (ggml-vocab-llama-bpe.gguf.inp / .out, from llama.cpp's models/).
+//! expected.json), the ids transformers' tokenizer of Meta-Llama-3-8B gives llama.cpp's
+//! vocabulary test strings (ggml-vocab-llama-bpe.gguf.inp / .out, from llama.cpp's models/), and
+//! transformers' renderings of Meta's Llama 3.1/3.2/3.3 chat templates (tests/fixtures/llama3_chat).
 
 mod common;
 
@@ -11,7 +12,8 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 use tokenizers::Tokenizer;
-use tpserve::coordinator::gguf_tokenizer;
+use tpserve::coordinator::chat_template::ChatTemplate;
+use tpserve::coordinator::{gguf_tokenizer, pyjson};
 use tpserve::model::config::RopeScaling;
 use tpserve::model::gguf::GgufFile;
 use tpserve::rank::offline;
@@ -77,6 +79,34 @@ fn llama_bpe_tokenizer_matches_transformers() {
     let (gpt2, merged) = (mismatches(&gpt2_split, &cases), mismatches(&all_merges, &cases));
     println!("strings tokenized differently: GPT-2's split {}, every piece merged {}", gpt2.len(), merged.len());
     assert!(!gpt2.is_empty() && !merged.is_empty(), "the vocabulary test must tell each variant apart");
+}
+
+/// Meta's Llama 3.1, 3.2 and 3.3 Instruct templates render every conversation exactly as
+/// transformers does (system prompt trimmed and dated, tools in the first user message or in the
+/// system message, a tool call and its result as `ipython`, 3.1's built-in tools), and the
+/// llama-bpe tokenizer makes each special-token string its one control id.
+#[test]
+fn llama3_chat_templates_render_like_transformers() {
+    use common::qwen3_chat::{inputs, messages, text};
+    let dir = common::fixture("llama3_chat");
+    let oracle = pyjson::parse(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let tokenizer = gguf_tokenizer::tokenizer(&GgufFile::open(&gguf("ggml-vocab-llama-bpe.gguf")).unwrap()).unwrap();
+    let mut rendered_cases = 0;
+    for case in oracle.get_attr("cases").unwrap().try_iter().unwrap() {
+        let label = format!("{} {}", text(&case, "template").unwrap(), text(&case, "name").unwrap());
+        let source = std::fs::read_to_string(dir.join(text(&case, "template").unwrap())).unwrap();
+        let template = ChatTemplate::new(source, Some("<|begin_of_text|>".into()), Some("<|eot_id|>".into())).unwrap();
+        let rendered = template.render_with(&messages(&case), true, &inputs(&case)).unwrap();
+        assert_eq!(rendered, text(&case, "rendered").unwrap(), "{label}");
+
+        let ids = tokenizer.encode(rendered.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(ids[0], 128_000, "{label}: <|begin_of_text|> first");
+        for (special, id) in [("<|begin_of_text|>", 128_000), ("<|start_header_id|>", 128_006), ("<|end_header_id|>", 128_007), ("<|eot_id|>", 128_009)] {
+            assert_eq!(ids.iter().filter(|&&i| i == id).count(), rendered.matches(special).count(), "{label}: {special}");
+        }
+        rendered_cases += 1;
+    }
+    assert_eq!(rendered_cases, 23);
 }
 
 /// The converter stores Llama 3's RoPE scaling as one divisor per frequency

@@ -35,7 +35,8 @@ pub fn messages(case: &TemplateValue) -> Vec<ChatMessage> {
         .try_iter()
         .unwrap()
         .map(|m| {
-            let mut message = ChatMessage::new(text(&m, "role").unwrap(), text(&m, "content").unwrap());
+            // An assistant turn that only calls tools may have no content.
+            let mut message = ChatMessage::new(text(&m, "role").unwrap(), text(&m, "content").unwrap_or_default());
             if let Ok(calls) = m.get_attr("tool_calls").and_then(|c| c.try_iter().map(|i| i.collect::<Vec<_>>())) {
                 message.tool_calls = calls
                     .iter()
