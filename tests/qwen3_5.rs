@@ -24,7 +24,7 @@ use tpserve::rank::offline::PromptResult;
 
 const EOS: u32 = 2;
 const NEW_TOKENS: usize = 16;
-const FIXTURES: [&str; 3] = ["qwen3_5_dense", "qwen3_5_moe", "qwen3_moe"];
+const FIXTURES: [&str; 4] = ["qwen3_5_dense", "qwen3_5_moe", "qwen3_moe", "qwen3_moe_b"];
 /// The Qwen3.5 fixtures, which also have a hub layout.
 const HYBRID: [&str; 2] = ["qwen3_5_dense", "qwen3_5_moe"];
 

@@ -1,7 +1,7 @@
-//! Qwen3 from GGUF files, as llama.cpp's converter writes them (tests/fixtures/qwen3_gguf, from
-//! scripts/oracle/make_gguf.py): the tiny qwen3_a and qwen3_b fixtures in f32 and Q8_0,
-//! qwen3_c_bf16 in bf16, and the real Qwen3 tokenizer and chat template as a vocabulary-only
-//! file.
+//! Qwen3 and Qwen3 MoE from GGUF files, as llama.cpp's converter writes them
+//! (tests/fixtures/qwen3_gguf, from scripts/oracle/make_gguf.py): the tiny qwen3_a, qwen3_b and
+//! qwen3_moe_b fixtures in f32 and Q8_0, qwen3_c_bf16 in bf16, and the real Qwen3 tokenizer and
+//! chat template as a vocabulary-only file.
 //!
 //! The references are transformers' outputs on the safetensors checkpoints of the same weights
 //! (each fixture's expected.json) and transformers' tokenizer and renderings for qwen3_chat.
@@ -118,6 +118,41 @@ fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
     let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts, 2) }.run();
     // Activations are quantized per rank slice at TP 2, so not bit-identical.
     common::assert_group_matches_tp1("qwen3_a Q8_0 GGUF TP 2 vs TP 1", &quantized, &prompts, &got, EOS, 0.05);
+}
+
+/// Qwen3 MoE files (architecture "qwen3moe", each layer's experts stacked per projection) of
+/// qwen3_moe_b (8 experts, top 2, every layer sparse): the f32 file at TP 1, 2 and 4 gives
+/// transformers' greedy ids and logits on the safetensors checkpoint; the Q8_0 file keeps every
+/// expert in its blocks (each rank cutting its slice of each from the stack), close to the same
+/// file dequantized, and a TP 2 group close to TP 1.
+#[test]
+fn qwen3_moe_files_match_transformers_and_stay_in_blocks() {
+    let config = GgufFile::open(&gguf("qwen3_moe_b.f32.gguf")).unwrap().model_config().unwrap();
+    assert_eq!((config.model_type.as_str(), config.text_config["num_experts"].as_u64()), ("qwen3_moe", Some(8)));
+    assert_eq!(config.text_config["mlp_only_layers"], serde_json::json!([]));
+    let prompts = prompts("qwen3_moe_b");
+    for tp in [1, 2, 4] {
+        let got = ShardRun::new(&gguf("qwen3_moe_b.f32.gguf"), &prompts, tp).run();
+        common::assert_matches_oracle(&format!("qwen3_moe_b GGUF f32 TP {tp}"), "qwen3_moe_b", &got);
+    }
+
+    let path = gguf("qwen3_moe_b.q8_0.gguf");
+    let (reference, _) = common::load_tp1(&path, "f32");
+    let (quantized, progress) = common::load_tp1(&path, "auto");
+    let summary = progress.format_summary();
+    eprintln!("qwen3_moe_b Q8_0 GGUF: {summary}, {} bytes against {} dequantized", quantized.weight_bytes(), reference.weight_bytes());
+    assert!(!summary.contains("f32"), "every matrix, experts included, stays Q8_0: {summary}");
+    assert!(quantized.weight_bytes() * 3 < reference.weight_bytes(), "{} against {} bytes", quantized.weight_bytes(), reference.weight_bytes());
+    let (worst, agree, steps) = common::teacher_forced_against(&quantized, &reference, &prompts, EOS);
+    eprintln!("qwen3_moe_b Q8_0 GGUF kept in blocks vs dequantized: max |logit diff| = {worst:.3e}, top-1 agreement {agree}/{steps}");
+    assert!(agree >= steps * 8 / 10, "top-1 agreement {agree}/{steps}");
+    assert!(worst < 2.0, "max |logit diff| {worst}");
+    // At TP 2 a rank's slice of an expert's down projection is 16 columns, half a Q8_0 block,
+    // so it holds them in f32 (and logs it) where TP 1 holds Q8_0: the two differ by Q8_0's
+    // error on those matrices (0.05-0.21 here), not by float noise. The logits' standard
+    // deviation is about 1, so a wrong slice misses by far more.
+    let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts, 2) }.run();
+    common::assert_group_matches_tp1("qwen3_moe_b Q8_0 GGUF TP 2 vs TP 1", &quantized, &prompts, &got, EOS, 0.5);
 }
 
 /// `tpserve serve --model qwen3_a.q8_0.gguf --tp 2` and `tpserve chat`: the coordinator takes

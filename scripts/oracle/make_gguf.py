@@ -11,7 +11,8 @@ checkpoints (each fixture's expected.json): a GGUF of the same weights must give
         python3 scripts/oracle/make_gguf.py tests/fixtures
 
 Writes into qwen3_gguf/: qwen3_a.f32.gguf, qwen3_a.q8_0.gguf, qwen3_b.f32.gguf,
-qwen3_c_bf16.bf16.gguf (weights) and qwen3_tokenizer.gguf (the real Qwen3 tokenizer and chat
+qwen3_c_bf16.bf16.gguf, qwen3_moe_b.f32.gguf, qwen3_moe_b.q8_0.gguf (weights; the MoE files have
+architecture "qwen3moe" and each layer's experts stacked in one tensor per projection) and qwen3_tokenizer.gguf (the real Qwen3 tokenizer and chat
 template of qwen3_chat, --vocab-only); into llama3_gguf/: llama3_a.f32.gguf and llama3_a.q8_0.gguf
 (Llama 3 RoPE scaling, which the converter stores as the `rope_freqs.weight` tensor) and llama.cpp's
 own Llama 3 vocabulary test (models/ggml-vocab-llama-bpe.gguf: Meta-Llama-3-8B's tokenizer,
@@ -44,7 +45,8 @@ def convert(model_dir, outfile, *args, pre=None):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-for case, outtype in [("qwen3_a", "f32"), ("qwen3_a", "q8_0"), ("qwen3_b", "f32"), ("qwen3_c_bf16", "bf16")]:
+for case, outtype in [("qwen3_a", "f32"), ("qwen3_a", "q8_0"), ("qwen3_b", "f32"), ("qwen3_c_bf16", "bf16"),
+                      ("qwen3_moe_b", "f32"), ("qwen3_moe_b", "q8_0")]:
     convert(os.path.join(fixtures, case), os.path.join(out, f"{case}.{outtype}.gguf"), "--outtype", outtype, pre="gpt-2")
 
 # The converter wants a model config beside the tokenizer: qwen3_a's, over Qwen3's vocabulary.

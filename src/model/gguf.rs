@@ -1,4 +1,4 @@
-//! GGUF checkpoints (llama.cpp's single-file format): Llama and Qwen3 dense.
+//! GGUF checkpoints (llama.cpp's single-file format): Llama, Qwen3 dense and Qwen3 MoE.
 //!
 //! A GGUF file carries the hyper-parameters and the tokenizer as metadata and the weights as
 //! (usually quantized) tensors. tpserve serves them through the same code as safetensors
@@ -9,7 +9,10 @@
 //! For Llama, llama.cpp's converter permutes the rows of the q and k projections for its
 //! interleaved RoPE; we undo that here so the shared rotate-half RoPE of [`super::rope`] applies
 //! unchanged. Qwen3 files keep Hugging Face's row order (llama.cpp runs them with rotate-half
-//! RoPE). Llama 3's RoPE scaling arrives as a tensor, `rope_freqs.weight`, one divisor per
+//! RoPE). A Qwen3 MoE file stacks each layer's experts in one 3-D tensor per projection
+//! (`ffn_{gate,up,down}_exps`); they keep that layout under our names (`mlp.experts.gate_proj`
+//! [experts, intermediate, hidden], ...), and each rank cuts every expert's slice from it.
+//! Llama 3's RoPE scaling arrives as a tensor, `rope_freqs.weight`, one divisor per
 //! frequency; it becomes the config's [`RopeScaling::Divisors`].
 
 use std::collections::HashMap;
@@ -187,12 +190,30 @@ impl GgufFile {
             "tie_word_embeddings": !self.has_tensor("output.weight"),
             "attention_bias": self.has_tensor("blk.0.attn_q.bias"),
         });
+        if arch == Architecture::Qwen3Moe {
+            self.add_moe_fields(&mut config, &key)?;
+        }
         for (field, meta) in [("eos_token_id", "tokenizer.ggml.eos_token_id"), ("bos_token_id", "tokenizer.ggml.bos_token_id")] {
             if let Some(id) = self.opt_u64(meta)? {
                 config[field] = id.into();
             }
         }
         Ok(config)
+    }
+
+    /// Qwen3 MoE's expert fields. A layer without a router (`ffn_gate_inp`) has a dense MLP,
+    /// which is what `mlp_only_layers` says in config.json; the top-k weights are renormalised,
+    /// as llama.cpp always does for this architecture unless the file says otherwise.
+    fn add_moe_fields(&self, config: &mut serde_json::Value, key: &dyn Fn(&str) -> String) -> Result<()> {
+        let layers = config["num_hidden_layers"].as_u64().unwrap_or(0);
+        let dense: Vec<u64> = (0..layers).filter(|i| !self.has_tensor(&format!("blk.{i}.ffn_gate_inp.weight"))).collect();
+        config["num_experts"] = self.u64(&key("expert_count"))?.into();
+        config["num_experts_per_tok"] = self.u64(&key("expert_used_count"))?.into();
+        config["moe_intermediate_size"] = self.u64(&key("expert_feed_forward_length"))?.into();
+        config["norm_topk_prob"] = self.opt_bool(&key("expert_weights_norm"))?.unwrap_or(true).into();
+        config["decoder_sparse_step"] = 1.into();
+        config["mlp_only_layers"] = dense.into();
+        Ok(())
     }
 
     pub fn model_config(&self) -> Result<ModelConfig> {
@@ -230,6 +251,7 @@ impl GgufFile {
 pub enum Architecture {
     Llama,
     Qwen3,
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -237,8 +259,8 @@ impl Architecture {
         match name {
             "llama" => Ok(Self::Llama),
             "qwen3" => Ok(Self::Qwen3),
-            "qwen3moe" => bail!("GGUF architecture \"qwen3moe\" is not supported yet (Qwen3 MoE serves from its safetensors checkpoint)"),
-            other => bail!("GGUF architecture \"{other}\" is not supported (llama, qwen3)"),
+            "qwen3moe" => Ok(Self::Qwen3Moe),
+            other => bail!("GGUF architecture \"{other}\" is not supported (llama, qwen3, qwen3moe)"),
         }
     }
 
@@ -247,12 +269,16 @@ impl Architecture {
         match self {
             Self::Llama => "llama",
             Self::Qwen3 => "qwen3",
+            Self::Qwen3Moe => "qwen3moe",
         }
     }
 
     /// The config.json `model_type` it implies.
     fn model_type(self) -> &'static str {
-        self.name()
+        match self {
+            Self::Qwen3Moe => "qwen3_moe",
+            other => other.name(),
+        }
     }
 
     /// Whether llama.cpp's converter stored the q/k projection rows permuted for interleaved
@@ -301,6 +327,16 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
     let rest = stem.strip_prefix("blk.")?;
     let (layer, part) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
+    // Experts stacked in one tensor per projection keep the packed layout's suffix-less names.
+    let stacked = match part {
+        "ffn_gate_exps" => Some("gate_proj"),
+        "ffn_up_exps" => Some("up_proj"),
+        "ffn_down_exps" => Some("down_proj"),
+        _ => None,
+    };
+    if let Some(projection) = stacked {
+        return (suffix == "weight").then(|| format!("model.layers.{layer}.mlp.experts.{projection}"));
+    }
     let part = match part {
         "attn_q" => "self_attn.q_proj",
         "attn_k" => "self_attn.k_proj",
@@ -309,6 +345,7 @@ pub fn hf_name(gguf_name: &str) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        "ffn_gate_inp" => "mlp.gate",
         "attn_q_norm" => "self_attn.q_norm",
         "attn_k_norm" => "self_attn.k_norm",
         "attn_norm" => "input_layernorm",
@@ -447,6 +484,38 @@ impl GgufWeights {
         dim: usize,
         ranges: &[std::ops::Range<usize>],
     ) -> Result<Option<super::quant::Sliced>> {
+        self.with_blocks(name, expected_shape, |gguf, dtype, bytes| {
+            let [rows, cols] = *expected_shape else { bail!("a matrix has 2 dimensions, not {expected_shape:?}") };
+            let order = self.permuted_heads(gguf).map(|heads| unpermuted_row_order(rows, heads)).transpose()?;
+            super::quant::formats::slice(dtype, rows, cols, bytes, dim, ranges, order.as_deref())
+        })
+    }
+
+    /// A rank's slice of every matrix of a stack [matrices, rows, cols] (a Qwen3 MoE layer's
+    /// experts), each cut along `dim` of the matrix as [`Self::quantized_slice`] cuts one; None
+    /// for formats read dense.
+    pub fn quantized_stack_slices(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        dim: usize,
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<Option<Vec<super::quant::Sliced>>> {
+        self.with_blocks(name, expected_shape, |_, dtype, bytes| {
+            let [_, rows, cols] = *expected_shape else { bail!("a stack of matrices has 3 dimensions, not {expected_shape:?}") };
+            let matrix_bytes = rows * super::quant::formats::row_bytes(dtype, cols);
+            bytes.chunks_exact(matrix_bytes).map(|matrix| super::quant::formats::slice(dtype, rows, cols, matrix, dim, ranges, None)).collect()
+        })
+    }
+
+    /// `f` of the GGUF name, block format and row-major block bytes of `name` when it is stored
+    /// in a block format the quantized kernels take (after checking its shape); None otherwise.
+    fn with_blocks<T>(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        f: impl FnOnce(&str, candle_core::quantized::GgmlDType, &[u8]) -> Result<T>,
+    ) -> Result<Option<T>> {
         let gguf = self.gguf_name(name)?;
         let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
         if !super::quant::formats::supported(info.ggml_dtype) {
@@ -456,17 +525,13 @@ impl GgufWeights {
         if dims != expected_shape {
             bail!("tensor \"{name}\" has shape {dims:?} but the model config implies {expected_shape:?}");
         }
-        let (rows, cols) = (dims[0], dims[1]);
         let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
         let qtensor = {
             let mut file = self.file.lock().map_err(|_| anyhow::anyhow!("GGUF reader lock poisoned")).with_context(context)?;
             self.header.content.tensor(&mut *file, gguf, &Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?
         };
         let bytes = qtensor.data().map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?;
-        let order = self.permuted_heads(gguf).map(|heads| unpermuted_row_order(rows, heads)).transpose().with_context(context)?;
-        super::quant::formats::slice(info.ggml_dtype, rows, cols, &bytes, dim, ranges, order.as_deref())
-            .with_context(context)
-            .map(Some)
+        f(gguf, info.ggml_dtype, &bytes).with_context(context).map(Some)
     }
 
     /// The whole tensor in f32 on the CPU, with q/k rows in Hugging Face order.
@@ -499,13 +564,18 @@ mod tests {
         assert_eq!(hf_name("blk.3.attn_k_norm.weight").as_deref(), Some("model.layers.3.self_attn.k_norm.weight"));
         assert_eq!(hf_name("blk.x.attn_q.weight"), None);
         assert_eq!(hf_name("rope_freqs.weight"), None);
+        assert_eq!(hf_name("blk.2.ffn_gate_inp.weight").as_deref(), Some("model.layers.2.mlp.gate.weight"));
+        assert_eq!(hf_name("blk.2.ffn_gate_exps.weight").as_deref(), Some("model.layers.2.mlp.experts.gate_proj"));
+        assert_eq!(hf_name("blk.2.ffn_down_exps.weight").as_deref(), Some("model.layers.2.mlp.experts.down_proj"));
+        assert_eq!(hf_name("blk.2.ffn_down_exps.bias"), None);
     }
 
     #[test]
     fn names_the_architectures_it_refuses() {
         assert_eq!(Architecture::parse("qwen3").unwrap(), Architecture::Qwen3);
-        assert!(Architecture::Llama.permutes_qk() && !Architecture::Qwen3.permutes_qk());
-        for (name, says) in [("qwen3moe", "safetensors"), ("gemma3", "(llama, qwen3)")] {
+        assert_eq!(Architecture::parse("qwen3moe").unwrap().model_type(), "qwen3_moe");
+        assert!(Architecture::Llama.permutes_qk() && !Architecture::Qwen3.permutes_qk() && !Architecture::Qwen3Moe.permutes_qk());
+        for (name, says) in [("gemma3", "(llama, qwen3, qwen3moe)"), ("qwen2moe", "not supported")] {
             let err = format!("{:#}", Architecture::parse(name).unwrap_err());
             assert!(err.contains(name) && err.contains(says), "{err}");
         }

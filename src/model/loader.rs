@@ -361,6 +361,36 @@ impl ShardLoader {
         Ok(weight)
     }
 
+    /// Every matrix of a stack [matrices, rows, cols] (a layer's experts, as GGUF stores them),
+    /// each cut along `dim` of the matrix to `ranges` and held as [`Self::matmul_weight`] holds
+    /// one: a GGUF's blocks stay blocks under [`QuantMode::KeepGguf`], the tensor is read once.
+    pub fn stacked_matmul_weights(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        dim: usize,
+        ranges: &[Range<usize>],
+    ) -> Result<Vec<Weight>> {
+        if self.device.is_cpu()
+            && self.quant == QuantMode::KeepGguf
+            && let Some(gguf) = &self.files.gguf
+            && let Some(slices) = gguf.quantized_stack_slices(&self.full_name(name), expected_shape, dim, ranges)?
+        {
+            self.progress.tensors.fetch_add(1, Ordering::Relaxed);
+            return slices
+                .into_iter()
+                .map(|sliced| {
+                    let weight = Weight::from_sliced(sliced, &self.device)?;
+                    self.progress.record(&weight);
+                    self.progress.bytes.fetch_add(weight.resident_bytes() as u64, Ordering::Relaxed);
+                    Ok(weight)
+                })
+                .collect();
+        }
+        let stack = self.matmul_slice(name, expected_shape, dim + 1, ranges)?;
+        (0..expected_shape[0]).map(|i| self.weight_from(stack.get(i)?.contiguous()?)).collect()
+    }
+
     /// A matrix assembled from slices read through [`Self::matmul_slice`] (an expert's gate and
     /// up rows joined, one expert of a packed tensor), held as this load holds its matrices: in
     /// the `--quantize` format on the CPU (each row quantized on its own, so joining and

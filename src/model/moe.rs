@@ -140,9 +140,11 @@ pub struct SparseMoe {
 impl SparseMoe {
     /// Loads the block under `loader` (a layer's `mlp`). Experts may be stored one tensor per
     /// projection and expert (`experts.E.gate_proj.weight`, as transformers saves Qwen3 MoE and
-    /// the text-only Qwen3.5 MoE) or packed (`experts.gate_up_proj` [experts, 2 * intermediate,
+    /// the text-only Qwen3.5 MoE), packed (`experts.gate_up_proj` [experts, 2 * intermediate,
     /// hidden] and `experts.down_proj` [experts, hidden, intermediate], as the Qwen3.5 MoE hub
-    /// checkpoints are).
+    /// checkpoints are), or stacked one tensor per projection (`experts.gate_proj` and
+    /// `experts.up_proj` [experts, intermediate, hidden], `experts.down_proj`: a GGUF's
+    /// `ffn_*_exps`, kept in its blocks).
     pub fn load(loader: &ShardLoader, group: &TpGroup, hidden: usize, config: &MoeConfig) -> Result<Self> {
         let (e, inter) = (config.num_experts, config.intermediate_size);
         let router = loader.tensor("gate.weight", &[e, hidden])?;
@@ -153,6 +155,16 @@ impl SparseMoe {
             let down = loader.matmul_slice("experts.down_proj", &[e, hidden, inter], 2, &[rows])?;
             (0..e)
                 .map(|i| Ok(ExpertSlice { gate_up: loader.weight_from(gate_up.get(i)?.contiguous()?)?, down: loader.weight_from(down.get(i)?.contiguous()?)? }))
+                .collect::<Result<Vec<_>>>()?
+        } else if loader.contains("experts.gate_proj") {
+            let rows = group.part("moe_intermediate_size", inter)?;
+            let gate = loader.stacked_matmul_weights("experts.gate_proj", &[e, inter, hidden], 0, std::slice::from_ref(&rows))?;
+            let up = loader.stacked_matmul_weights("experts.up_proj", &[e, inter, hidden], 0, std::slice::from_ref(&rows))?;
+            let down = loader.stacked_matmul_weights("experts.down_proj", &[e, hidden, inter], 1, &[rows])?;
+            gate.into_iter()
+                .zip(up)
+                .zip(down)
+                .map(|((gate, up), down)| Ok(ExpertSlice { gate_up: Weight::cat_rows(vec![gate, up])?, down }))
                 .collect::<Result<Vec<_>>>()?
         } else {
             (0..e)
