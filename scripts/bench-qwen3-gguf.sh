@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# Decode tokens/s on Qwen3 GGUFs of the Qwen3-0.6B shape (hidden 1024, 28 layers, 16 query and
-# 8 KV heads of 128, intermediate 3072, 151,936-token vocabulary, tied embeddings), the files a
-# CPU user downloads: tpserve keeping them quantized (--dtype auto) in the rank's model code
-# (`eval-shard`) and through `tpserve serve` (a streaming gRPC client), against llama.cpp on the
-# same file, batch 1, THREADS (2) threads, a 32-token prompt, NEW (64) new tokens, interleaved,
-# best of RUNS (3); and the memory-read bandwidth, measured in every run (the best is the bound:
-# a decode step reads about the whole file, the tied embedding being the LM head).
+# Decode tokens/s on Qwen3 GGUFs, the files a CPU user downloads: tpserve keeping them quantized
+# (--dtype auto) in the rank's model code (`eval-shard`) and through `tpserve serve` (a streaming
+# gRPC client), against llama.cpp on the same file, batch 1, THREADS (2) threads, a 32-token
+# prompt, NEW (64) new tokens, interleaved, best of RUNS (3); and the memory-read bandwidth,
+# measured in every run (the best is the bound, over the bytes a decode step reads).
+#
+# SHAPE picks the model:
+# - dense (default): Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 query and 8 KV heads of 128,
+#   intermediate 3072, tied embeddings). A decode step reads about the whole file.
+# - moe: a Qwen3 MoE (architecture qwen3moe) shaped like Qwen3-30B-A3B scaled to this machine:
+#   hidden 1024, 16 layers, 16 query and 4 KV heads of 128, 64 experts of intermediate 512 with 8
+#   used per token (1.8B parameters, 0.3B active). A decode step reads the attention, the 8
+#   chosen experts of every layer and the tied embedding as LM head, not the whole file: the
+#   bytes per token printed count 8/64 of the experts.
+# Both use the 151,936-token vocabulary.
 #
 # The checkpoint has random weights (transformers' initialization, bf16; speed does not depend
-# on the values) and the real Qwen3 tokenizer (tests/fixtures/qwen3_chat). llama.cpp's own
-# converter makes the Q8_0 file, and its quantizer the Q4_0 and Q4_K_M files from it
-# (allow_requantize; Q4_K_M keeps some tensors in Q6_K). Needs a release build, a Python with
-# torch, transformers, sentencepiece and llama-cpp-python (CMAKE_ARGS="-DGGML_NATIVE=ON"), and
-# llama.cpp's converter, LLAMA_CPP_DIR (the vendor/llama.cpp of the llama-cpp-python sdist; see
-# scripts/oracle/make_qwen3_gguf.py). The files are kept in WORK (target/qwen3-gguf) for the
-# next run.
-#   cargo build --release && PYTHON=/venv/bin/python LLAMA_CPP_DIR=... scripts/bench-qwen3-gguf.sh
+# on the values, except which experts a token picks) and the real Qwen3 tokenizer
+# (tests/fixtures/qwen3_chat). llama.cpp's own converter makes the Q8_0 file, and its quantizer
+# the Q4_0 and Q4_K_M files from it (allow_requantize; Q4_K_M keeps some tensors in Q6_K).
+# Needs a release build, a Python with torch, transformers, sentencepiece and llama-cpp-python
+# (CMAKE_ARGS="-DGGML_NATIVE=ON"), and llama.cpp's converter, LLAMA_CPP_DIR (the
+# vendor/llama.cpp of the llama-cpp-python sdist; see scripts/oracle/make_gguf.py). The files
+# are kept in WORK (target/qwen3-gguf) for the next run.
+#   cargo build --release && PYTHON=/venv/bin/python LLAMA_CPP_DIR=... [SHAPE=moe] scripts/bench-qwen3-gguf.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -23,32 +31,43 @@ THREADS=${THREADS:-2}
 RUNS=${RUNS:-3}
 NEW=${NEW:-64}
 WORK=${WORK:-$PWD/target/qwen3-gguf}
+SHAPE=${SHAPE:-dense}
+case "$SHAPE" in
+  dense) NAME=qwen3-0.6b ;;
+  moe) NAME=qwen3-moe-1.8b-a0.3b ;;
+  *) echo "SHAPE must be dense or moe" >&2; exit 2 ;;
+esac
 FORMATS=(Q8_0 Q4_0 Q4_K_M)
 mkdir -p "$WORK"
-if [ ! -f "$WORK/qwen3-0.6b.Q8_0.gguf" ]; then
-  "$PYTHON" - "$WORK/qwen3-0.6b" tests/fixtures/qwen3_chat <<'EOF'
+if [ ! -f "$WORK/$NAME.Q8_0.gguf" ]; then
+  "$PYTHON" - "$WORK/$NAME" tests/fixtures/qwen3_chat "$SHAPE" <<'EOF'
 import os, shutil, sys, torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
-out, tokenizer = sys.argv[1], sys.argv[2]
-config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
-                     rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                     eos_token_id=151645, bos_token_id=151643)
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+out, tokenizer, shape = sys.argv[1:4]
+common = dict(hidden_size=1024, num_attention_heads=16, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+              rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+              eos_token_id=151645, bos_token_id=151643)
 torch.manual_seed(0)
-Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+if shape == "dense":
+    model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=3072, num_hidden_layers=28, num_key_value_heads=8, **common))
+else:
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=3072, num_hidden_layers=16, num_key_value_heads=4,
+                                               num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+                                               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common))
+model.to(torch.bfloat16).save_pretrained(out)
 for name in ["tokenizer.json", "tokenizer_config.json"]:
     shutil.copy(os.path.join(tokenizer, name), out)
 EOF
-  "$PYTHON" - "$WORK/qwen3-0.6b" "$WORK/qwen3-0.6b.Q8_0.gguf" <<'EOF'
+  "$PYTHON" - "$WORK/$NAME" "$WORK/$NAME.Q8_0.gguf" <<'EOF'
 import os, runpy, sys
 llama_cpp = os.environ["LLAMA_CPP_DIR"]
 sys.path[:0] = [llama_cpp, os.path.join(llama_cpp, "gguf-py")]
 sys.argv = ["convert_hf_to_gguf.py", sys.argv[1], "--outtype", "q8_0", "--outfile", sys.argv[2]]
 runpy.run_path(os.path.join(llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
 EOF
-  "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/qwen3-0.6b.Q8_0.gguf" "$WORK/qwen3-0.6b.Q4_0.gguf" q4_0 >/dev/null 2>&1
-  "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/qwen3-0.6b.Q8_0.gguf" "$WORK/qwen3-0.6b.Q4_K_M.gguf" q4_k >/dev/null 2>&1
-  rm -rf "$WORK/qwen3-0.6b"
+  "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/$NAME.Q8_0.gguf" "$WORK/$NAME.Q4_0.gguf" q4_0 >/dev/null 2>&1
+  "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/$NAME.Q8_0.gguf" "$WORK/$NAME.Q4_K_M.gguf" q4_k >/dev/null 2>&1
+  rm -rf "$WORK/$NAME"
 fi
 tmp=$(mktemp -d)
 servers=()
@@ -57,7 +76,7 @@ trap cleanup EXIT
 python3 -c "import json; json.dump([[(i * 7919) % 150000 + 100 for i in range(32)]], open('$tmp/p.json', 'w'))"
 # One server per file, loaded once and idle while the others run.
 for fmt in "${FORMATS[@]}"; do
-  target/release/tpserve serve --model "$WORK/qwen3-0.6b.$fmt.gguf" --tp 1 --threads "$THREADS" \
+  target/release/tpserve serve --model "$WORK/$NAME.$fmt.gguf" --tp 1 --threads "$THREADS" \
       --listen "unix://$tmp/$fmt.sock" >"$tmp/$fmt-serve.log" 2>&1 &
   servers+=($!)
 done
@@ -71,7 +90,7 @@ for run in $(seq "$RUNS"); do
   record bandwidth "$("$PYTHON" scripts/bench_cpu.py bandwidth "$THREADS")"
   echo "run $run"
   for fmt in "${FORMATS[@]}"; do
-    gguf=$WORK/qwen3-0.6b.$fmt.gguf
+    gguf=$WORK/$NAME.$fmt.gguf
     target/release/tpserve eval-shard --model "$gguf" --dtype auto --rank 0 --world-size 1 \
         --rendezvous "unix://$tmp/c.sock" --prompts "$tmp/p.json" --max-new "$NEW" --threads "$THREADS" \
         --out "$tmp/out.json" >/dev/null 2>&1
@@ -83,12 +102,25 @@ for run in $(seq "$RUNS"); do
   done
 done
 echo
-echo "tokens/s (in brackets: the file's bytes times tokens/s, a fraction of the read bandwidth, ${best[bandwidth]} GB/s):"
-echo "| file | MB | tpserve (rank's code) | through serve | llama.cpp | tpserve / llama.cpp | through serve / llama.cpp |"
-echo "|---|---|---|---|---|---|---|"
+echo "$NAME, tokens/s (in brackets: the bytes a decode step reads times tokens/s, a fraction of the read bandwidth, ${best[bandwidth]} GB/s):"
+echo "| file | MB | MB read per token | tpserve (rank's code) | through serve | llama.cpp | tpserve / llama.cpp | through serve / llama.cpp |"
+echo "|---|---|---|---|---|---|---|---|"
 for fmt in "${FORMATS[@]}"; do
-  mb=$(( $(stat -c %s "$WORK/qwen3-0.6b.$fmt.gguf") / 1000000 ))
+  gguf=$WORK/$NAME.$fmt.gguf
+  mb=$(( $(stat -c %s "$gguf") / 1000000 ))
+  # Every tensor once, but of the stacked experts (ffn_*_exps) only the share a token uses.
+  read_mb=$("$PYTHON" - "$gguf" <<'EOF'
+import os, sys
+sys.path.insert(0, os.path.join(os.environ["LLAMA_CPP_DIR"], "gguf-py"))
+import gguf
+reader = gguf.GGUFReader(sys.argv[1])
+arch = reader.fields["general.architecture"].contents()
+field = lambda key: reader.fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in reader.fields else None
+used = (field("expert_used_count") or 1) / (field("expert_count") or 1)
+print(round(sum(t.n_bytes * (used if "_exps" in t.name else 1) for t in reader.tensors) / 1e6))
+EOF
+)
   python3 -c "q, s, l, bw = ${best[$fmt tpserve]}, ${best[$fmt serve]}, ${best[$fmt llama.cpp]}, ${best[bandwidth]}
-share = lambda t: f'{t:.1f} ({t * $mb / 1000 / bw:.0%})'
-print(f'| $fmt | $mb | {share(q)} | {share(s)} | {share(l)} | {q / l:.2f}x | {s / l:.2f}x |')"
+share = lambda t: f'{t:.1f} ({t * $read_mb / 1000 / bw:.0%})'
+print(f'| $fmt | $mb | $read_mb | {share(q)} | {share(s)} | {share(l)} | {q / l:.2f}x | {s / l:.2f}x |')"
 done
