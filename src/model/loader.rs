@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
-use super::quant::{Products, QuantMode, Weight};
+use super::quant::{Products, QuantMode, Sliced, Weight};
 
 /// Counters a loading rank updates as it copies its shard, read by the LoadShard progress stream.
 #[derive(Debug, Default)]
@@ -361,34 +361,53 @@ impl ShardLoader {
         Ok(weight)
     }
 
-    /// Every matrix of a stack [matrices, rows, cols] (a layer's experts, as GGUF stores them),
-    /// each cut along `dim` of the matrix to `ranges` and held as [`Self::matmul_weight`] holds
-    /// one: a GGUF's blocks stay blocks under [`QuantMode::KeepGguf`], the tensor is read once.
+    /// Every matrix of the stacks `names`, each [matrices, rows, cols] as `expected_shape` says
+    /// (a layer's experts, as GGUF stores them), cut along `dim` of the matrix to `ranges`;
+    /// matrix i of each stack joined by rows, in `names`' order (an expert's gate and up). Held
+    /// as [`Self::matmul_weight`] holds one matrix: a GGUF's blocks stay blocks under
+    /// [`QuantMode::KeepGguf`], joined before they are interleaved. Each tensor is read once.
     pub fn stacked_matmul_weights(
         &self,
-        name: &str,
+        names: &[&str],
         expected_shape: &[usize],
         dim: usize,
         ranges: &[Range<usize>],
     ) -> Result<Vec<Weight>> {
-        if self.device.is_cpu()
-            && self.quant == QuantMode::KeepGguf
-            && let Some(gguf) = &self.files.gguf
-            && let Some(slices) = gguf.quantized_stack_slices(&self.full_name(name), expected_shape, dim, ranges)?
-        {
-            self.progress.tensors.fetch_add(1, Ordering::Relaxed);
-            return slices
-                .into_iter()
-                .map(|sliced| {
-                    let weight = Weight::from_sliced(sliced, &self.device)?;
+        if let Some(stacks) = self.stacked_gguf_slices(names, expected_shape, dim, ranges)? {
+            let mut stacks: Vec<_> = stacks.into_iter().map(Vec::into_iter).collect();
+            return (0..expected_shape[0])
+                .map(|_| {
+                    let parts: Vec<Sliced> = stacks.iter_mut().filter_map(Iterator::next).collect();
+                    let weight = match Sliced::stack_rows(parts) {
+                        Ok(joined) => Weight::from_sliced(joined, &self.device)?,
+                        Err(parts) => Weight::cat_rows(parts.into_iter().map(|p| Weight::from_sliced(p, &self.device)).collect::<Result<_>>()?)?,
+                    };
                     self.progress.record(&weight);
                     self.progress.bytes.fetch_add(weight.resident_bytes() as u64, Ordering::Relaxed);
                     Ok(weight)
                 })
                 .collect();
         }
-        let stack = self.matmul_slice(name, expected_shape, dim + 1, ranges)?;
-        (0..expected_shape[0]).map(|i| self.weight_from(stack.get(i)?.contiguous()?)).collect()
+        let stacks = names.iter().map(|name| self.matmul_slice(name, expected_shape, dim + 1, ranges)).collect::<Result<Vec<_>>>()?;
+        let joined = Tensor::cat(&stacks, 1)?;
+        (0..expected_shape[0]).map(|i| self.weight_from(joined.get(i)?.contiguous()?)).collect()
+    }
+
+    /// Each stack of `names` as block slices, one per matrix, when all are GGUF tensors in a
+    /// block format kept under [`QuantMode::KeepGguf`]; None when any is read dense.
+    fn stacked_gguf_slices(&self, names: &[&str], expected_shape: &[usize], dim: usize, ranges: &[Range<usize>]) -> Result<Option<Vec<Vec<Sliced>>>> {
+        let Some(gguf) = self.files.gguf.as_ref().filter(|_| self.device.is_cpu() && self.quant == QuantMode::KeepGguf) else {
+            return Ok(None);
+        };
+        let mut stacks = Vec::with_capacity(names.len());
+        for name in names {
+            match gguf.quantized_stack_slices(&self.full_name(name), expected_shape, dim, ranges)? {
+                Some(slices) => stacks.push(slices),
+                None => return Ok(None),
+            }
+            self.progress.tensors.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(Some(stacks))
     }
 
     /// A matrix assembled from slices read through [`Self::matmul_slice`] (an expert's gate and

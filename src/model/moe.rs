@@ -158,14 +158,9 @@ impl SparseMoe {
                 .collect::<Result<Vec<_>>>()?
         } else if loader.contains("experts.gate_proj") {
             let rows = group.part("moe_intermediate_size", inter)?;
-            let gate = loader.stacked_matmul_weights("experts.gate_proj", &[e, inter, hidden], 0, std::slice::from_ref(&rows))?;
-            let up = loader.stacked_matmul_weights("experts.up_proj", &[e, inter, hidden], 0, std::slice::from_ref(&rows))?;
-            let down = loader.stacked_matmul_weights("experts.down_proj", &[e, hidden, inter], 1, &[rows])?;
-            gate.into_iter()
-                .zip(up)
-                .zip(down)
-                .map(|((gate, up), down)| Ok(ExpertSlice { gate_up: Weight::cat_rows(vec![gate, up])?, down }))
-                .collect::<Result<Vec<_>>>()?
+            let gate_up = loader.stacked_matmul_weights(&["experts.gate_proj", "experts.up_proj"], &[e, inter, hidden], 0, std::slice::from_ref(&rows))?;
+            let down = loader.stacked_matmul_weights(&["experts.down_proj"], &[e, hidden, inter], 1, &[rows])?;
+            gate_up.into_iter().zip(down).map(|(gate_up, down)| ExpertSlice { gate_up, down }).collect()
         } else {
             (0..e)
                 .map(|i| ExpertSlice::load(loader, &format!("experts.{i}"), hidden, inter, "moe_intermediate_size", group))

@@ -140,6 +140,47 @@ pub enum Sliced {
     F32 { rows: usize, cols: usize, values: Vec<f32> },
 }
 
+impl Sliced {
+    /// The rows of `parts` (slices of one width) stacked in order, when they share a format:
+    /// blocks of one dtype or all f32, whose row-major layout makes that an append. Parts of
+    /// mixed formats come back unchanged.
+    pub fn stack_rows(parts: Vec<Sliced>) -> std::result::Result<Sliced, Vec<Sliced>> {
+        match parts.first() {
+            Some(&Sliced::Blocks { dtype, cols, .. })
+                if parts.iter().all(|p| matches!(p, Sliced::Blocks { dtype: d, cols: c, .. } if *d == dtype && *c == cols)) =>
+            {
+                let (mut rows, mut bytes) = (0, Vec::with_capacity(parts.iter().map(Sliced::bytes).sum()));
+                for part in parts {
+                    if let Sliced::Blocks { rows: more, bytes: tail, .. } = part {
+                        rows += more;
+                        bytes.extend_from_slice(&tail);
+                    }
+                }
+                Ok(Sliced::Blocks { dtype, rows, cols, bytes })
+            }
+            Some(&Sliced::F32 { cols, .. }) if parts.iter().all(|p| matches!(p, Sliced::F32 { cols: c, .. } if *c == cols)) => {
+                let (mut rows, mut values) = (0, Vec::with_capacity(parts.iter().map(Sliced::bytes).sum::<usize>() / 4));
+                for part in parts {
+                    if let Sliced::F32 { rows: more, values: tail, .. } = part {
+                        rows += more;
+                        values.extend_from_slice(&tail);
+                    }
+                }
+                Ok(Sliced::F32 { rows, cols, values })
+            }
+            _ => Err(parts),
+        }
+    }
+
+    /// The bytes it holds.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Sliced::Blocks { bytes, .. } => bytes.len(),
+            Sliced::F32 { values, .. } => values.len() * 4,
+        }
+    }
+}
+
 /// Cuts `ranges` of dimension `dim` (0: rows, 1: columns) out of a row-major `[rows, cols]`
 /// matrix of `dtype` blocks, in the order given (their concatenation). `row_order`, when set,
 /// maps each output row to the stored row it comes from (GGUF's permuted q/k rows).
@@ -263,6 +304,23 @@ pub fn quantize_matrix(dtype: GgmlDType, rows: usize, cols: usize, values: Vec<f
 
 #[cfg(test)]
 mod tests {
+    /// Slices of one format stack into one (blocks appended row by row); mixed formats or
+    /// widths are handed back.
+    #[test]
+    fn stack_rows_appends_slices_of_one_format() {
+        use super::Sliced;
+        let blocks = |rows: usize, cols: usize, fill: u8| Sliced::Blocks { dtype: GgmlDType::Q8_0, rows, cols, bytes: vec![fill; rows * row_bytes(GgmlDType::Q8_0, cols)] };
+        let Ok(Sliced::Blocks { rows, cols, bytes, .. }) = Sliced::stack_rows(vec![blocks(2, 64, 1), blocks(3, 64, 2)]) else { panic!("one format stacks") };
+        assert_eq!((rows, cols, bytes.len()), (5, 64, 5 * 68));
+        assert!(bytes[..2 * 68].iter().all(|&b| b == 1) && bytes[2 * 68..].iter().all(|&b| b == 2));
+        let f32s = vec![Sliced::F32 { rows: 1, cols: 2, values: vec![1.0, 2.0] }, Sliced::F32 { rows: 1, cols: 2, values: vec![3.0, 4.0] }];
+        let Ok(Sliced::F32 { rows: 2, values, .. }) = Sliced::stack_rows(f32s) else { panic!("f32 stacks") };
+        assert_eq!(values, [1.0, 2.0, 3.0, 4.0]);
+        let mixed = vec![blocks(2, 64, 1), Sliced::F32 { rows: 1, cols: 64, values: vec![0.0; 64] }];
+        assert_eq!(Sliced::stack_rows(mixed).err().map(|parts| parts.len()), Some(2));
+        assert_eq!(Sliced::stack_rows(vec![blocks(2, 64, 1), blocks(2, 32, 1)]).err().map(|parts| parts.len()), Some(2));
+    }
+
     use super::*;
     use crate::test_values::values;
 

@@ -220,9 +220,30 @@ pub fn row(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8], row: usize
     out
 }
 
-/// The row-major GGML bytes of an interleaved matrix (the inverse of [`pack`]).
+/// The row-major GGML bytes of an interleaved matrix (the inverse of [`pack`]), a group of
+/// eight rows per task: joining matrices at load (`cat_rows`) unpacks every byte of them.
 pub fn unpack(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8]) -> Vec<u8> {
-    (0..rows).flat_map(|r| row(dtype, rows, cols, packed, r)).collect()
+    assert!(packable(dtype), "{dtype:?} has no interleaved layout");
+    let (ts, rb) = (dtype.type_size(), row_bytes(dtype, cols));
+    assert_eq!(packed.len(), rows * rb, "{} bytes are not [{rows}, {cols}] of {dtype:?}", packed.len());
+    let gbytes = GROUP * ts;
+    let groups = rows / GROUP;
+    let mut out = vec![0u8; packed.len()];
+    let (grouped, tail) = out.split_at_mut(groups * GROUP * rb);
+    grouped.par_chunks_mut(GROUP * rb.max(1)).enumerate().for_each(|(g, out)| {
+        let group = &packed[g * GROUP * rb..(g + 1) * GROUP * rb];
+        for (r, row) in out.chunks_exact_mut(rb).enumerate() {
+            for (b, blk) in row.chunks_exact_mut(ts).enumerate() {
+                let group = &group[b * gbytes..(b + 1) * gbytes];
+                match KQuant::of(dtype) {
+                    Some(kq) => interleaved_k::unpack_block(kq, group, r, blk),
+                    None => unpack_block(Parts::of(dtype), group, r, blk),
+                }
+            }
+        }
+    });
+    tail.copy_from_slice(&packed[groups * GROUP * rb..]);
+    out
 }
 
 /// `x [m, k] @ w.T` for `w` `[n, k]` interleaved (see [`pack`]): returns `[m, n]`.
