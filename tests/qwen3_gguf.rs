@@ -162,3 +162,22 @@ fn qwen3_moe_files_match_transformers_and_stay_in_blocks() {
 fn serve_streams_a_chat_from_a_qwen3_gguf() {
     common::assert_serves_a_chat(&gguf("qwen3_a.q8_0.gguf"), 2, "q8_0");
 }
+
+/// A truncated file (a download cut short) is refused at load with a message naming the tensor
+/// that lies beyond its end, whether its blocks are kept (`auto`) or dequantized (`f32`).
+#[test]
+fn a_truncated_file_is_refused_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cut.gguf");
+    let bytes = std::fs::read(gguf("qwen3_a.q8_0.gguf")).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 1000]).unwrap();
+    for dtype in ["auto", "f32"] {
+        let (dtype, quant) = tpserve::model::parse_load_dtype(dtype, "", &candle_core::Device::Cpu, &path).unwrap();
+        let options = tpserve::model::LoadOptions { dtype, device: candle_core::Device::Cpu, products: tpserve::model::Products::Exact };
+        let progress = std::sync::Arc::new(tpserve::model::loader::LoadProgress::default());
+        let group = tpserve::model::parallel::TpGroup::single();
+        let err = Model::load_quantized(&path, &group, &options, quant, progress).err().expect("a truncated file must be refused");
+        let err = format!("{err:#}");
+        assert!(err.contains("cannot read GGUF tensor") && err.contains("beyond the file's end"), "{err}");
+    }
+}

@@ -18,7 +18,6 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail};
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -386,10 +385,11 @@ fn unpermuted_row_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
         .collect())
 }
 
-/// The weights of a GGUF file, dequantized tensor by tensor on request.
+/// The weights of a GGUF file, read from a memory map: block slices straight from the mapped
+/// bytes, dense tensors dequantized one at a time on request.
 pub struct GgufWeights {
     header: GgufFile,
-    file: Mutex<File>,
+    map: memmap2::Mmap,
     /// our name -> GGUF name
     names: HashMap<String, String>,
     /// (query heads, KV heads) when the q/k projection rows are stored permuted (Llama)
@@ -404,6 +404,10 @@ impl GgufWeights {
         let permutes = header.architecture()?.permutes_qk();
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         let total_bytes = file.metadata().with_context(|| format!("cannot stat {}", path.display()))?.len();
+        // SAFETY: the mapping is read-only, and like the safetensors files' mappings it assumes
+        // the model file is not truncated or rewritten while it is served; every tensor's range
+        // is checked against its length before it is read (`raw`).
+        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
         let names = header
             .content
             .tensor_infos
@@ -412,7 +416,7 @@ impl GgufWeights {
             .collect();
         Ok(Self {
             header,
-            file: Mutex::new(file),
+            map,
             names,
             permuted_qk: permutes.then_some((config.num_attention_heads, config.num_key_value_heads)),
             total_bytes,
@@ -526,22 +530,30 @@ impl GgufWeights {
             bail!("tensor \"{name}\" has shape {dims:?} but the model config implies {expected_shape:?}");
         }
         let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
-        let qtensor = {
-            let mut file = self.file.lock().map_err(|_| anyhow::anyhow!("GGUF reader lock poisoned")).with_context(context)?;
-            self.header.content.tensor(&mut *file, gguf, &Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?
-        };
-        let bytes = qtensor.data().map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?;
-        f(gguf, info.ggml_dtype, &bytes).with_context(context).map(Some)
+        let bytes = self.raw(info).with_context(context)?;
+        f(gguf, info.ggml_dtype, bytes).with_context(context).map(Some)
+    }
+
+    /// The stored bytes of a tensor, in the mapped file.
+    fn raw(&self, info: &candle_core::quantized::gguf_file::TensorInfo) -> Result<&[u8]> {
+        let size = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        let start = self.header.content.tensor_data_offset.saturating_add(info.offset);
+        usize::try_from(start)
+            .ok()
+            .and_then(|start| self.map.get(start..start.checked_add(size)?))
+            .with_context(|| format!("the tensor's {size} bytes at offset {start} lie beyond the file's end ({} bytes)", self.map.len()))
     }
 
     /// The whole tensor in f32 on the CPU, with q/k rows in Hugging Face order.
     pub fn dequantize(&self, name: &str) -> Result<Tensor> {
         let gguf = self.gguf_name(name)?;
+        let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
         let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
-        let qtensor = {
-            let mut file = self.file.lock().map_err(|_| anyhow::anyhow!("GGUF reader lock poisoned")).with_context(context)?;
-            self.header.content.tensor(&mut *file, gguf, &Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?
-        };
+        let bytes = self.raw(info).with_context(context)?;
+        let dims = info.shape.dims().to_vec();
+        let qtensor = candle_core::quantized::ggml_file::qtensor_from_ggml(info.ggml_dtype, bytes, dims, &Device::Cpu)
+            .map_err(|err| anyhow::anyhow!("{err}"))
+            .with_context(context)?;
         let tensor = qtensor.dequantize(&Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?;
         match self.permuted_heads(gguf) {
             Some(heads) => unpermute_rows(&tensor, heads).with_context(context),
