@@ -389,6 +389,7 @@ fn unpermuted_row_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
 /// bytes, dense tensors dequantized one at a time on request.
 pub struct GgufWeights {
     header: GgufFile,
+    config: ModelConfig,
     map: memmap2::Mmap,
     /// our name -> GGUF name
     names: HashMap<String, String>,
@@ -419,8 +420,14 @@ impl GgufWeights {
             map,
             names,
             permuted_qk: permutes.then_some((config.num_attention_heads, config.num_key_value_heads)),
+            config,
             total_bytes,
         })
+    }
+
+    /// The model config its metadata implies.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
     }
 
     /// The heads whose rows GGUF tensor `gguf` holds permuted: a Llama q or k projection.

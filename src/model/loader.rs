@@ -112,6 +112,11 @@ impl WeightFiles {
         Ok(Self { tensors, gguf: None, locations, total_bytes })
     }
 
+    /// The model config a GGUF file's metadata implies; None for safetensors.
+    pub fn gguf_config(&self) -> Option<&super::config::ModelConfig> {
+        self.gguf.as_ref().map(super::gguf::GgufWeights::config)
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         if let Some(gguf) = &self.gguf {
             return gguf.contains(name);

@@ -207,13 +207,15 @@ impl Model {
         quant: QuantMode,
         progress: Arc<LoadProgress>,
     ) -> Result<Self> {
-        // A .gguf file carries its config as metadata; a directory has config.json.
-        let config = if gguf::is_gguf(dir) {
-            gguf::GgufFile::open(dir)?.model_config()?
+        // A .gguf file carries its config as metadata (parsed once, with its tensor directory);
+        // a directory has config.json.
+        let (config, files) = if gguf::is_gguf(dir) {
+            let files = WeightFiles::open(dir)?;
+            let config = files.gguf_config().cloned().context("a GGUF file opens as GGUF weights")?;
+            (config, Arc::new(files))
         } else {
-            ModelConfig::from_model_dir(dir)?
+            (ModelConfig::from_model_dir(dir)?, Arc::new(WeightFiles::open(dir)?))
         };
-        let files = Arc::new(WeightFiles::open(dir)?);
         let dtype = match options.dtype {
             Some(dtype) => dtype,
             None => checkpoint_dtype(&files)?,
