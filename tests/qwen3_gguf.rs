@@ -103,21 +103,8 @@ fn bf16_file_stays_bf16_and_matches_transformers() {
 /// in-process TP 1 run.
 #[test]
 fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
-    let path = gguf("qwen3_a.q8_0.gguf");
-    let reference = load(&path, "f32");
-    let quantized = load(&path, "auto");
-    assert!(quantized.weight_bytes() * 3 < reference.weight_bytes(), "{} against {} bytes", quantized.weight_bytes(), reference.weight_bytes());
-    let prompts = prompts("qwen3_a");
-    let (worst, agree, steps) = common::teacher_forced_against(&quantized, &reference, &prompts, EOS);
-    eprintln!("qwen3_a Q8_0 GGUF kept in blocks vs dequantized: max |logit diff| = {worst:.3e}, top-1 agreement {agree}/{steps}");
-    // The bounds of tests/quant.rs for Q8_0 on these random weights (top-1 margins down to
-    // 0.005): a wrong slice or kernel gives chance agreement and errors the size of the logits.
-    assert!(agree >= steps * 8 / 10, "top-1 agreement {agree}/{steps}");
-    assert!(worst < 2.0, "max |logit diff| {worst}");
-
-    let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts, 2) }.run();
     // Activations are quantized per rank slice at TP 2, so not bit-identical.
-    common::assert_group_matches_tp1("qwen3_a Q8_0 GGUF TP 2 vs TP 1", &quantized, &prompts, &got, EOS, 0.05);
+    common::assert_q8_0_gguf_close_to_its_f32_path("qwen3_a", &gguf("qwen3_a.q8_0.gguf"), &prompts("qwen3_a"), EOS, 0.05);
 }
 
 /// Qwen3 MoE files (architecture "qwen3moe", each layer's experts stacked per projection) of
@@ -136,23 +123,11 @@ fn qwen3_moe_files_match_transformers_and_stay_in_blocks() {
         common::assert_matches_oracle(&format!("qwen3_moe_b GGUF f32 TP {tp}"), "qwen3_moe_b", &got);
     }
 
-    let path = gguf("qwen3_moe_b.q8_0.gguf");
-    let (reference, _) = common::load_tp1(&path, "f32");
-    let (quantized, progress) = common::load_tp1(&path, "auto");
-    let summary = progress.format_summary();
-    eprintln!("qwen3_moe_b Q8_0 GGUF: {summary}, {} bytes against {} dequantized", quantized.weight_bytes(), reference.weight_bytes());
-    assert!(!summary.contains("f32"), "every matrix, experts included, stays Q8_0: {summary}");
-    assert!(quantized.weight_bytes() * 3 < reference.weight_bytes(), "{} against {} bytes", quantized.weight_bytes(), reference.weight_bytes());
-    let (worst, agree, steps) = common::teacher_forced_against(&quantized, &reference, &prompts, EOS);
-    eprintln!("qwen3_moe_b Q8_0 GGUF kept in blocks vs dequantized: max |logit diff| = {worst:.3e}, top-1 agreement {agree}/{steps}");
-    assert!(agree >= steps * 8 / 10, "top-1 agreement {agree}/{steps}");
-    assert!(worst < 2.0, "max |logit diff| {worst}");
     // At TP 2 a rank's slice of an expert's down projection is 16 columns, half a Q8_0 block,
     // so it holds them in f32 (and logs it) where TP 1 holds Q8_0: the two differ by Q8_0's
     // error on those matrices (0.05-0.21 here), not by float noise. The logits' standard
     // deviation is about 1, so a wrong slice misses by far more.
-    let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(&path, &prompts, 2) }.run();
-    common::assert_group_matches_tp1("qwen3_moe_b Q8_0 GGUF TP 2 vs TP 1", &quantized, &prompts, &got, EOS, 0.5);
+    common::assert_q8_0_gguf_close_to_its_f32_path("qwen3_moe_b", &gguf("qwen3_moe_b.q8_0.gguf"), &prompts, EOS, 0.5);
 }
 
 /// `tpserve serve --model qwen3_a.q8_0.gguf --tp 2` and `tpserve chat`: the coordinator takes
