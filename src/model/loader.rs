@@ -410,8 +410,8 @@ impl ShardLoader {
                 Some(slices) => stacks.push(slices),
                 None => return Ok(None),
             }
-            self.progress.tensors.fetch_add(1, Ordering::Relaxed);
         }
+        self.progress.tensors.fetch_add(names.len() as u64, Ordering::Relaxed);
         Ok(Some(stacks))
     }
 

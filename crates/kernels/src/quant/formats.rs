@@ -304,11 +304,13 @@ pub fn quantize_matrix(dtype: GgmlDType, rows: usize, cols: usize, values: Vec<f
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::test_values::values;
+
     /// Slices of one format stack into one (blocks appended row by row); mixed formats or
     /// widths are handed back.
     #[test]
     fn stack_rows_appends_slices_of_one_format() {
-        use super::Sliced;
         let blocks = |rows: usize, cols: usize, fill: u8| Sliced::Blocks { dtype: GgmlDType::Q8_0, rows, cols, bytes: vec![fill; rows * row_bytes(GgmlDType::Q8_0, cols)] };
         let Ok(Sliced::Blocks { rows, cols, bytes, .. }) = Sliced::stack_rows(vec![blocks(2, 64, 1), blocks(3, 64, 2)]) else { panic!("one format stacks") };
         assert_eq!((rows, cols, bytes.len()), (5, 64, 5 * 68));
@@ -320,9 +322,6 @@ mod tests {
         assert_eq!(Sliced::stack_rows(mixed).err().map(|parts| parts.len()), Some(2));
         assert_eq!(Sliced::stack_rows(vec![blocks(2, 64, 1), blocks(2, 32, 1)]).err().map(|parts| parts.len()), Some(2));
     }
-
-    use super::*;
-    use crate::test_values::values;
 
     fn dequantized(sliced: &Sliced) -> Vec<f32> {
         match sliced {
