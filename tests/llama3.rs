@@ -62,6 +62,8 @@ fn llama_bpe_tokenizer_matches_transformers() {
     let json = gguf_tokenizer::tokenizer_json(&file).unwrap();
     let ours: Tokenizer = json.to_string().parse().unwrap();
     assert_eq!(ours.get_vocab_size(true), 128_256);
+    // <|end_of_text|> from eos_token_id, then <|eot_id|>: Llama 3 Instruct's generation_config.json.
+    assert_eq!(file.model_config().unwrap().eos_token_ids, vec![128_001, 128_009]);
     let cases = vocabulary_test();
     assert!(cases.len() >= 40, "{} strings", cases.len());
     assert_eq!(mismatches(&ours, &cases), Vec::<String>::new());

@@ -60,7 +60,8 @@ fn chat_template_from_metadata_renders_like_transformers() {
     }
     let config = file.model_config().unwrap();
     assert_eq!(config.model_type, "qwen3");
-    assert_eq!(config.eos_token_ids, vec![151_645], "<|im_end|>");
+    // <|im_end|> from eos_token_id, then <|endoftext|>: Qwen3's generation_config.json.
+    assert_eq!(config.eos_token_ids, vec![151_645, 151_643]);
 }
 
 /// The f32 files through the ranks' model code at TP 1 and 2: the greedy ids equal

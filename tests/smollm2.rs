@@ -128,7 +128,9 @@ fn chat_template_from_metadata_renders_the_reference_prompt() {
     let config = file.model_config().unwrap();
     assert_eq!((config.num_attention_heads, config.num_key_value_heads, config.head_dim), (9, 3, 64));
     assert!(config.tie_word_embeddings && !config.qk_norm);
-    assert_eq!(config.eos_token_ids, vec![2]);
+    // <|im_end|> (eos_token_id, the generation_config's), then the control token <|endoftext|>,
+    // which ends a document: llama.cpp stops there too.
+    assert_eq!(config.eos_token_ids, vec![2, 0]);
 }
 
 /// `tpserve serve --model SmolLM2-135M-Instruct.Q4_1.gguf --tp N` and `tpserve chat`: the

@@ -11,11 +11,8 @@ use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 
 use super::chat_template::ChatTemplate;
-use crate::model::gguf::GgufFile;
+use crate::model::gguf::{GgufFile, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED};
 
-/// llama.cpp's token types (`llama_token_type`).
-const TOKEN_TYPE_CONTROL: i64 = 3;
-const TOKEN_TYPE_USER_DEFINED: i64 = 4;
 
 /// Qwen2's split (Qwen2.5, Qwen3): GPT-2's, but contractions in any case, one digit per piece,
 /// and a letter run may take one leading non-letter, non-digit character.

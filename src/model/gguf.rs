@@ -25,6 +25,10 @@ use candle_core::{Device, Tensor};
 
 use super::config::{ModelConfig, RopeScaling};
 
+/// llama.cpp's token types (`llama_token_type`) that name special tokens.
+pub const TOKEN_TYPE_CONTROL: i64 = 3;
+pub const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
 /// Whether `path` names a GGUF file (rather than a model directory).
 pub fn is_gguf(path: &Path) -> bool {
     path.is_file() && path.extension().is_some_and(|ext| ext.eq_ignore_ascii_case("gguf"))
@@ -192,12 +196,38 @@ impl GgufFile {
         if arch == Architecture::Qwen3Moe {
             self.add_moe_fields(&mut config, &key)?;
         }
-        for (field, meta) in [("eos_token_id", "tokenizer.ggml.eos_token_id"), ("bos_token_id", "tokenizer.ggml.bos_token_id")] {
-            if let Some(id) = self.opt_u64(meta)? {
-                config[field] = id.into();
-            }
+        if let Some(id) = self.opt_u64("tokenizer.ggml.bos_token_id")? {
+            config["bos_token_id"] = id.into();
+        }
+        let stops = self.end_of_generation_ids()?;
+        if !stops.is_empty() {
+            config["eos_token_id"] = stops.into();
         }
         Ok(config)
+    }
+
+    /// The ids that end a generation. A checkpoint's generation_config.json lists several
+    /// (Qwen3's `<|im_end|>` and `<|endoftext|>`, Llama 3 Instruct's `<|end_of_text|>`,
+    /// `<|eom_id|>` and `<|eot_id|>`); a GGUF keeps one as `eos_token_id`, perhaps
+    /// `eot_token_id` and `eom_token_id`. The rest are the control tokens of those names, which
+    /// llama.cpp stops at too.
+    fn end_of_generation_ids(&self) -> Result<Vec<u64>> {
+        const END_TOKENS: [&str; 5] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"];
+        let mut ids = Vec::new();
+        for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            ids.extend(self.opt_u64(key)?);
+        }
+        if self.value("tokenizer.ggml.tokens").is_some() {
+            let types = self.opt_int_list("tokenizer.ggml.token_type")?.unwrap_or_default();
+            for (id, token) in self.string_list("tokenizer.ggml.tokens")?.iter().enumerate() {
+                if END_TOKENS.contains(token) && types.get(id) == Some(&TOKEN_TYPE_CONTROL) {
+                    ids.push(id as u64);
+                }
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        ids.retain(|id| seen.insert(*id));
+        Ok(ids)
     }
 
     /// Qwen3 MoE's expert fields. A layer without a router (`ffn_gate_inp`) has a dense MLP,
