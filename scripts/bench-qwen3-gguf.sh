@@ -3,7 +3,8 @@
 # (--dtype auto) in the rank's model code (`eval-shard`) and through `tpserve serve` (a streaming
 # gRPC client), against llama.cpp on the same file, batch 1, THREADS (2) threads, a 32-token
 # prompt, NEW (64) new tokens, interleaved, best of RUNS (3); and the memory-read bandwidth,
-# measured in every run (the best is the bound, over the bytes a decode step reads).
+# measured in every run (the best is the bound, over the bytes a decode step reads); and the
+# seconds each takes to load the file.
 #
 # SHAPE picks the model:
 # - dense (default): Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 query and 8 KV heads of 128,
@@ -86,6 +87,8 @@ for fmt in "${FORMATS[@]}"; do
 done
 declare -A best
 record() { if python3 -c "import sys; sys.exit(0 if float('$2') > float('${best[$1]:-0}') else 1)"; then best[$1]=$2; fi; echo "  $1: $2"; }
+# Load seconds: the least of the runs.
+record_least() { if python3 -c "import sys; sys.exit(0 if float('$2') < float('${best[$1]:-1e9}') else 1)"; then best[$1]=$2; fi; echo "  $1: $2"; }
 for run in $(seq "$RUNS"); do
   record bandwidth "$("$PYTHON" scripts/bench_cpu.py bandwidth "$THREADS")"
   echo "run $run"
@@ -95,10 +98,12 @@ for run in $(seq "$RUNS"); do
         --rendezvous "unix://$tmp/c.sock" --prompts "$tmp/p.json" --max-new "$NEW" --threads "$THREADS" \
         --out "$tmp/out.json" >/dev/null 2>&1
     record "$fmt tpserve" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['decode_tokens'] / r['decode_seconds'], 2))")"
+    record_least "$fmt tpserve load" "$(python3 -c "import json; print(round(json.load(open('$tmp/out.json'))['load_seconds'], 2))")"
     record "$fmt serve" "$(python3 scripts/bench_serve_stream.py "unix://$tmp/$fmt.sock" "$tmp/p.json" "$NEW" \
         | python3 -c "import json, sys; print(round(json.load(sys.stdin)['tokens_per_second'], 2))")"
-    record "$fmt llama.cpp" "$("$PYTHON" scripts/bench_llamacpp.py decode "$gguf" "$tmp/p.json" "$NEW" "$THREADS" 2>/dev/null \
-        | python3 -c "import json, sys; print(round(json.load(sys.stdin)['tokens_per_second'], 2))")"
+    "$PYTHON" scripts/bench_llamacpp.py decode "$gguf" "$tmp/p.json" "$NEW" "$THREADS" 2>/dev/null >"$tmp/llama.json"
+    record "$fmt llama.cpp" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['tokens_per_second'], 2))")"
+    record_least "$fmt llama.cpp load" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['load_seconds'], 2))")"
   done
 done
 echo
@@ -123,4 +128,11 @@ EOF
   python3 -c "q, s, l, bw = ${best[$fmt tpserve]}, ${best[$fmt serve]}, ${best[$fmt llama.cpp]}, ${best[bandwidth]}
 share = lambda t: f'{t:.1f} ({t * $read_mb / 1000 / bw:.0%})'
 print(f'| $fmt | $mb | $read_mb | {share(q)} | {share(s)} | {share(l)} | {q / l:.2f}x | {s / l:.2f}x |')"
+done
+echo
+echo "seconds to load the model (least of the runs; tpserve: eval-shard's TP 1 shard; llama.cpp: Llama(), which maps the file):"
+echo "| file | tpserve | llama.cpp |"
+echo "|---|---|---|"
+for fmt in "${FORMATS[@]}"; do
+  echo "| $fmt | ${best[$fmt tpserve load]} | ${best[$fmt llama.cpp load]} |"
 done

@@ -1,7 +1,7 @@
 """llama.cpp (through llama-cpp-python) on a GGUF: greedy decode tokens/s, batch 1.
 
     python bench_llamacpp.py decode MODEL.gguf PROMPT.json NEW THREADS   -> JSON on stdout
-        (decode and prompt tokens/s, the greedy ids)
+        (decode and prompt tokens/s, the seconds Llama() took to open the model, the greedy ids)
     python bench_llamacpp.py requantize IN.gguf OUT.gguf q8_0|q4_0|q4_k|q6_k  (llama_model_quantize)
     python bench_llamacpp.py reference MODEL.gguf EXPECTED.json NEW > OUT.json
         llama.cpp's greedy ids for each prompt of a fixture's expected.json (the reference
@@ -17,7 +17,9 @@ def decode(model, prompts, new, threads):
 
     prompt = json.load(open(prompts))[0]
     n_ctx = max(1024, len(prompt) + new + 16)
+    loading = time.perf_counter()
     llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512, verbose=False)
+    load = time.perf_counter() - loading
     llm.reset()
     started = time.perf_counter()
     llm.eval(prompt)
@@ -32,7 +34,7 @@ def decode(model, prompts, new, threads):
         llm.eval([token])
     seconds = time.perf_counter() - start
     # the first sampled token came from the prefill; NEW single-token evals were timed after it
-    print(json.dumps({"tokens_per_second": new / seconds, "prefill_tokens_per_second": prefill, "new_ids": tokens}))
+    print(json.dumps({"tokens_per_second": new / seconds, "prefill_tokens_per_second": prefill, "load_seconds": load, "new_ids": tokens}))
 
 
 def reference(model, expected, new):
