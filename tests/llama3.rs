@@ -42,7 +42,7 @@ fn vocabulary_test() -> Vec<(String, Vec<u32>)> {
     texts.into_iter().map(str::to_owned).zip(ids).collect()
 }
 
-/// How many of the vocabulary test's strings `tokenizer` encodes to other ids than transformers.
+/// The vocabulary test's strings that `tokenizer` encodes to other ids than transformers'.
 fn mismatches(tokenizer: &Tokenizer, cases: &[(String, Vec<u32>)]) -> Vec<String> {
     cases
         .iter()
