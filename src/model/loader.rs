@@ -350,9 +350,7 @@ impl ShardLoader {
                     if let Some(gguf) = &self.files.gguf {
                         let full_name = self.full_name(name);
                         if let Some(sliced) = gguf.quantized_slice(&full_name, expected_shape, dim, ranges)? {
-                            let weight = Weight::from_sliced(sliced, &self.device)?;
-                            self.progress.record(&weight);
-                            self.progress.bytes.fetch_add(weight.resident_bytes() as u64, Ordering::Relaxed);
+                            let weight = self.kept_blocks(sliced)?;
                             self.progress.tensors.fetch_add(1, Ordering::Relaxed);
                             return Ok(weight);
                         }
@@ -367,10 +365,11 @@ impl ShardLoader {
     }
 
     /// Every matrix of the stacks `names`, each [matrices, rows, cols] as `expected_shape` says
-    /// (a layer's experts, as GGUF stores them), cut along `dim` of the matrix to `ranges`;
-    /// matrix i of each stack joined by rows, in `names`' order (an expert's gate and up). Held
-    /// as [`Self::matmul_weight`] holds one matrix: a GGUF's blocks stay blocks under
-    /// [`QuantMode::KeepGguf`], joined before they are interleaved. Each tensor is read once.
+    /// (a layer's experts, packed as in the Qwen3.5 MoE hub checkpoints or stacked as GGUF
+    /// stores them), cut along `dim` of the matrix to `ranges`; matrix i of each stack joined by
+    /// rows, in `names`' order (an expert's gate and up). Held as [`Self::matmul_weight`] holds
+    /// one matrix: a GGUF's blocks stay blocks under [`QuantMode::KeepGguf`], joined before they
+    /// are interleaved. Each tensor is read once.
     pub fn stacked_matmul_weights(
         &self,
         names: &[&str],
@@ -383,19 +382,24 @@ impl ShardLoader {
             return (0..expected_shape[0])
                 .map(|_| {
                     let parts: Vec<Sliced> = stacks.iter_mut().filter_map(Iterator::next).collect();
-                    let weight = match Sliced::stack_rows(parts) {
-                        Ok(joined) => Weight::from_sliced(joined, &self.device)?,
-                        Err(parts) => Weight::cat_rows(parts.into_iter().map(|p| Weight::from_sliced(p, &self.device)).collect::<Result<_>>()?)?,
-                    };
-                    self.progress.record(&weight);
-                    self.progress.bytes.fetch_add(weight.resident_bytes() as u64, Ordering::Relaxed);
-                    Ok(weight)
+                    match Sliced::stack_rows(parts) {
+                        Ok(joined) => self.kept_blocks(joined),
+                        Err(parts) => Weight::cat_rows(parts.into_iter().map(|p| self.kept_blocks(p)).collect::<Result<_>>()?),
+                    }
                 })
                 .collect();
         }
         let stacks = names.iter().map(|name| self.matmul_slice(name, expected_shape, dim + 1, ranges)).collect::<Result<Vec<_>>>()?;
         let joined = Tensor::cat(&stacks, 1)?;
         (0..expected_shape[0]).map(|i| self.weight_from(joined.get(i)?.contiguous()?)).collect()
+    }
+
+    /// A GGUF slice kept in its blocks as a weight, counted in the load's formats and bytes.
+    fn kept_blocks(&self, sliced: Sliced) -> Result<Weight> {
+        let weight = Weight::from_sliced(sliced, &self.device)?;
+        self.progress.record(&weight);
+        self.progress.bytes.fetch_add(weight.resident_bytes() as u64, Ordering::Relaxed);
+        Ok(weight)
     }
 
     /// Each stack of `names` as block slices, one per matrix, when all are GGUF tensors in a

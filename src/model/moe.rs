@@ -148,17 +148,16 @@ impl SparseMoe {
     pub fn load(loader: &ShardLoader, group: &TpGroup, hidden: usize, config: &MoeConfig) -> Result<Self> {
         let (e, inter) = (config.num_experts, config.intermediate_size);
         let router = loader.tensor("gate.weight", &[e, hidden])?;
-        let experts = if loader.contains("experts.gate_up_proj") {
+        let experts = if loader.contains("experts.gate_up_proj") || loader.contains("experts.gate_proj") {
+            // Packed or stacked: every expert's rows of one tensor (or of gate's and up's,
+            // joined) read at once, then down's columns.
             let rows = group.part("moe_intermediate_size", inter)?;
-            let upper = rows.start + inter..rows.end + inter;
-            let gate_up = loader.matmul_slice("experts.gate_up_proj", &[e, 2 * inter, hidden], 1, &[rows.clone(), upper])?;
-            let down = loader.matmul_slice("experts.down_proj", &[e, hidden, inter], 2, &[rows])?;
-            (0..e)
-                .map(|i| Ok(ExpertSlice { gate_up: loader.weight_from(gate_up.get(i)?.contiguous()?)?, down: loader.weight_from(down.get(i)?.contiguous()?)? }))
-                .collect::<Result<Vec<_>>>()?
-        } else if loader.contains("experts.gate_proj") {
-            let rows = group.part("moe_intermediate_size", inter)?;
-            let gate_up = loader.stacked_matmul_weights(&["experts.gate_proj", "experts.up_proj"], &[e, inter, hidden], 0, std::slice::from_ref(&rows))?;
+            let gate_up = if loader.contains("experts.gate_up_proj") {
+                let upper = rows.start + inter..rows.end + inter;
+                loader.stacked_matmul_weights(&["experts.gate_up_proj"], &[e, 2 * inter, hidden], 0, &[rows.clone(), upper])?
+            } else {
+                loader.stacked_matmul_weights(&["experts.gate_proj", "experts.up_proj"], &[e, inter, hidden], 0, std::slice::from_ref(&rows))?
+            };
             let down = loader.stacked_matmul_weights(&["experts.down_proj"], &[e, hidden, inter], 1, &[rows])?;
             gate_up.into_iter().zip(down).map(|(gate_up, down)| ExpertSlice { gate_up, down }).collect()
         } else {
