@@ -9,6 +9,7 @@
 
 use anyhow::{Result, bail};
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 use serde_json::Value;
 
 use super::activation::swiglu;
@@ -193,23 +194,42 @@ impl SparseMoe {
 
     /// x [tokens, hidden] -> [tokens, hidden], summed over ranks.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut out = x.zeros_like()?;
         let routes = self.route(x)?;
         let weights = routes.weights.to_dtype(x.dtype())?;
-        // Experts in index order, each adding into the output, as transformers accumulates them.
+        // Each chosen expert's tokens: (expert, their indices, their routing weights).
+        let mut chosen = Vec::new();
         let mut offset = 0;
         for (expert, &count) in self.experts.iter().zip(&routes.counts) {
-            if count == 0 {
-                continue;
+            if count > 0 {
+                chosen.push((expert, routes.tokens.narrow(0, offset, count)?, weights.narrow(0, offset, count)?));
+                offset += count;
             }
-            let index = routes.tokens.narrow(0, offset, count)?;
-            let partial = expert.forward(&x.index_select(&index, 0)?)?.broadcast_mul(&weights.narrow(0, offset, count)?)?;
-            out = out.index_add(&index, &partial, 0)?;
-            offset += count;
         }
-        if let Some((shared, gate)) = &self.shared {
+        let partial = |(expert, index, weights): &(&ExpertSlice, Tensor, Tensor)| -> Result<Tensor> {
+            Ok(expert.forward(&x.index_select(index, 0)?)?.broadcast_mul(weights)?)
+        };
+        let shared = |(shared, gate): &(ExpertSlice, Tensor)| -> Result<Tensor> {
             let gate = candle_nn::ops::sigmoid(&linear(x, gate)?)?; // [tokens, 1]
-            out = (out + shared.forward(x)?.broadcast_mul(&gate)?)?;
+            Ok(shared.forward(x)?.broadcast_mul(&gate)?)
+        };
+        // On a CPU the experts run side by side, one per thread at a time: a decode step's
+        // experts are a few small products each, too short to split well over the threads and
+        // each a fork and join of its own when run one after another. Each product's result
+        // does not depend on the thread that computes it, and the sums below keep their order.
+        let (partials, shared) = match Placement::of(x.device()) {
+            Placement::Host => rayon::join(
+                || chosen.par_iter().map(partial).collect::<Result<Vec<_>>>(),
+                || self.shared.as_ref().map(shared).transpose(),
+            ),
+            Placement::Device => (chosen.iter().map(partial).collect(), self.shared.as_ref().map(shared).transpose()),
+        };
+        // Experts in index order, each adding into the output, as transformers accumulates them.
+        let mut out = x.zeros_like()?;
+        for ((_, index, _), partial) in chosen.iter().zip(partials?) {
+            out = out.index_add(index, &partial, 0)?;
+        }
+        if let Some(shared) = shared? {
+            out = (out + shared)?;
         }
         self.group.all_reduce(&out)
     }
