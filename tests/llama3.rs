@@ -168,6 +168,31 @@ fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
     common::assert_q8_0_gguf_close_to_its_f32_path("llama3_a", &gguf("llama3_a.q8_0.gguf"), &prompts(), EOS, 0.05);
 }
 
+/// llama.cpp's IQ4_NL and IQ4_XS files of the same checkpoint (types candle does not read),
+/// dequantized (`--dtype f32`) at TP 1 and 2: greedy ids and logits equal transformers' on the
+/// weights those files hold (gguf-py's dequantization, scripts/oracle/make_iq4.py).
+#[test]
+fn iq4_files_dequantized_match_transformers_on_their_weights() {
+    for kind in ["iq4_nl", "iq4_xs"] {
+        let expected = common::expected_file(&gguf(&format!("llama3_a.{kind}.expected.json")));
+        let prompts: Vec<Vec<u32>> = expected.iter().map(|p| p.ids.clone()).collect();
+        for tp in [1, 2] {
+            let got = ShardRun { flags: &["--dtype", "f32"], ..ShardRun::new(&gguf(&format!("llama3_a.{kind}.gguf")), &prompts, tp) }.run();
+            common::assert_matches(&format!("llama3_a {kind} dequantized TP {tp}"), &expected, &got);
+        }
+    }
+}
+
+/// The IQ4 files kept quantized (`--dtype auto`) are held as Q8_0 blocks (IQ4_NL's values
+/// exactly, IQ4_XS's scales rounded to f16): close to the dequantized path as a Q8_0 file is, at
+/// TP 1 and 2.
+#[test]
+fn iq4_files_stay_quantized_as_q8_0_and_close_to_their_f32_path() {
+    for kind in ["iq4_nl", "iq4_xs"] {
+        common::assert_q8_0_gguf_close_to_its_f32_path(&format!("llama3_a {kind}"), &gguf(&format!("llama3_a.{kind}.gguf")), &prompts(), EOS, 0.05);
+    }
+}
+
 /// `tpserve serve` of the Q8_0 file at TP 2 streams a chat.
 #[test]
 fn serve_streams_a_chat_from_a_llama3_gguf() {

@@ -14,16 +14,23 @@
 //! [experts, intermediate, hidden], ...), and each rank cuts every expert's slice from it.
 //! Llama 3's RoPE scaling arrives as a tensor, `rope_freqs.weight`, one divisor per
 //! frequency; it becomes the config's [`RopeScaling::Divisors`].
+//!
+//! Tensors in IQ4_NL or IQ4_XS (types candle does not read) are read by
+//! `tpserve_kernels::quant::iq4`: dequantized for the dense path, held as Q8_0 blocks by the
+//! quantized one.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::GgmlDType;
+use candle_core::quantized::gguf_file::Value;
 use candle_core::{Device, Tensor};
+use tpserve_kernels::quant::iq4::{self, Iq4};
 
 use super::config::{ModelConfig, RopeScaling};
+use super::gguf_header::{Header, Stored, TensorInfo};
 
 /// llama.cpp's token types (`llama_token_type`) that name special tokens.
 pub const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -34,36 +41,41 @@ pub fn is_gguf(path: &Path) -> bool {
     path.is_file() && path.extension().is_some_and(|ext| ext.eq_ignore_ascii_case("gguf"))
 }
 
-/// A GGUF file's header: metadata and tensor directory (no tensor data is read).
+/// A GGUF file, mapped: its header (metadata and tensor directory) parsed, its tensors read on
+/// request.
 pub struct GgufFile {
     path: PathBuf,
-    content: Content,
+    header: Header,
+    map: memmap2::Mmap,
 }
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let mut file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-        let content = Content::read(&mut file)
-            .map_err(|err| anyhow::anyhow!("{err}"))
-            .with_context(|| format!("{} is not a valid GGUF file", path.display()))?;
+        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        // SAFETY: the mapping is read-only, and like the safetensors files' mappings it assumes
+        // the model file is not truncated or rewritten while it is served; every read is checked
+        // against its length (the header's, and each tensor's in `raw`).
+        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+        let header = Header::parse(&map).with_context(|| format!("{} is not a valid GGUF file", path.display()))?;
         // Shapes are checked here, once, so that no later slicing or reshaping meets an empty
-        // or zero-sized dimension.
-        for (name, info) in &content.tensor_infos {
-            let dims = info.shape.dims();
+        // or zero-sized dimension. A type tpserve does not read is refused when it is read.
+        for (name, info) in &header.tensors {
+            let dims = &info.dims;
             if dims.is_empty() || dims.contains(&0) {
                 bail!("{}: tensor \"{name}\" has shape {dims:?}; every dimension must be positive", path.display());
             }
-            let block = info.ggml_dtype.block_size();
-            if dims[dims.len() - 1] % block != 0 {
+            if let Some((block, _)) = info.stored.block()
+                && dims[dims.len() - 1] % block != 0
+            {
                 bail!(
-                    "{}: tensor \"{name}\" has rows of {} values, not a whole number of {:?} blocks of {block}",
+                    "{}: tensor \"{name}\" has rows of {} values, not a whole number of {} blocks of {block}",
                     path.display(),
                     dims[dims.len() - 1],
-                    info.ggml_dtype
+                    info.stored.name()
                 );
             }
         }
-        Ok(Self { path: path.to_owned(), content })
+        Ok(Self { path: path.to_owned(), header, map })
     }
 
     pub fn path(&self) -> &Path {
@@ -71,7 +83,7 @@ impl GgufFile {
     }
 
     fn value(&self, key: &str) -> Option<&Value> {
-        self.content.metadata.get(key)
+        self.header.metadata.get(key)
     }
 
     /// A non-negative integer field, whatever integer type the writer chose.
@@ -151,7 +163,28 @@ impl GgufFile {
     }
 
     pub fn has_tensor(&self, gguf_name: &str) -> bool {
-        self.content.tensor_infos.contains_key(gguf_name)
+        self.header.tensors.contains_key(gguf_name)
+    }
+
+    fn info(&self, gguf: &str) -> Result<&TensorInfo> {
+        self.header.tensors.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" is missing from {}", self.path.display()))
+    }
+
+    /// The stored bytes of tensor `gguf`, in the mapped file.
+    fn raw(&self, gguf: &str, info: &TensorInfo) -> Result<&[u8]> {
+        let Some((block, block_bytes)) = info.stored.block() else {
+            bail!(
+                "tensor \"{gguf}\" is stored as {}, which tpserve does not read; use a GGUF in f32, f16, bf16, \
+                 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL or IQ4_XS",
+                info.stored.name()
+            )
+        };
+        let size = info.dims.iter().product::<usize>() / block * block_bytes;
+        let start = self.header.data_offset.saturating_add(info.offset);
+        usize::try_from(start)
+            .ok()
+            .and_then(|start| self.map.get(start..start.checked_add(size)?))
+            .with_context(|| format!("the tensor's {size} bytes at offset {start} lie beyond the file's end ({} bytes)", self.map.len()))
     }
 
     /// The hyper-parameters, as the config.json transformers would write for this model.
@@ -263,9 +296,11 @@ impl GgufFile {
             return Ok(None);
         }
         let read = || -> Result<Vec<f32>> {
-            let mut file = File::open(&self.path)?;
-            let tensor = self.content.tensor(&mut file, NAME, &Device::Cpu)?;
-            let divisors = tensor.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+            let info = self.info(NAME)?;
+            if info.stored != Stored::Ggml(GgmlDType::F32) {
+                bail!("is stored as {}, not f32", info.stored.name());
+            }
+            let divisors: Vec<f32> = self.raw(NAME, info)?.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
             if let Some(bad) = divisors.iter().find(|d| !(d.is_finite() && **d > 0.0)) {
                 bail!("holds {bad}; every divisor must be a positive number");
             }
@@ -420,7 +455,6 @@ fn unpermuted_row_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
 pub struct GgufWeights {
     header: GgufFile,
     config: ModelConfig,
-    map: memmap2::Mmap,
     /// our name -> GGUF name
     names: HashMap<String, String>,
     /// (query heads, KV heads) when the q/k projection rows are stored permuted (Llama)
@@ -433,21 +467,15 @@ impl GgufWeights {
         let header = GgufFile::open(path)?;
         let config = header.model_config()?;
         let permutes = header.architecture()?.permutes_qk();
-        let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-        let total_bytes = file.metadata().with_context(|| format!("cannot stat {}", path.display()))?.len();
-        // SAFETY: the mapping is read-only, and like the safetensors files' mappings it assumes
-        // the model file is not truncated or rewritten while it is served; every tensor's range
-        // is checked against its length before it is read (`raw`).
-        let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))?;
+        let total_bytes = header.map.len() as u64;
         let names = header
-            .content
-            .tensor_infos
+            .header
+            .tensors
             .keys()
             .filter_map(|gguf| hf_name(gguf).map(|ours| (ours, gguf.clone())))
             .collect();
         Ok(Self {
             header,
-            map,
             names,
             permuted_qk: permutes.then_some((config.num_attention_heads, config.num_key_value_heads)),
             config,
@@ -493,26 +521,18 @@ impl GgufWeights {
     /// The shape of `name` in row-major (Hugging Face) order.
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
         let gguf = self.gguf_name(name)?;
-        let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
-        Ok(info.shape.dims().to_vec())
+        let info = self.header.info(gguf)?;
+        Ok(info.dims.clone())
     }
 
     /// The dtype `name` holds its values in, as a dense tensor: f32, f16 or bf16 as stored; f32
     /// for the block formats, which are dequantized to f32 when read dense.
     pub fn stored_dtype(&self, name: &str) -> Result<candle_core::DType> {
-        use candle_core::quantized::GgmlDType;
-        Ok(match self.ggml_dtype(name)? {
-            GgmlDType::F16 => candle_core::DType::F16,
-            GgmlDType::BF16 => candle_core::DType::BF16,
+        Ok(match self.header.info(self.gguf_name(name)?)?.stored {
+            Stored::Ggml(GgmlDType::F16) => candle_core::DType::F16,
+            Stored::Ggml(GgmlDType::BF16) => candle_core::DType::BF16,
             _ => candle_core::DType::F32,
         })
-    }
-
-    /// The storage format of `name`.
-    pub fn ggml_dtype(&self, name: &str) -> Result<candle_core::quantized::GgmlDType> {
-        let gguf = self.gguf_name(name)?;
-        let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
-        Ok(info.ggml_dtype)
     }
 
     /// A rank's slice of a 2-D tensor in a supported block format, kept in blocks (see
@@ -555,48 +575,68 @@ impl GgufWeights {
         &self,
         name: &str,
         expected_shape: &[usize],
-        f: impl FnOnce(&str, candle_core::quantized::GgmlDType, &[u8]) -> Result<T>,
+        f: impl FnOnce(&str, GgmlDType, &[u8]) -> Result<T>,
     ) -> Result<Option<T>> {
         let gguf = self.gguf_name(name)?;
-        let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
-        if !super::quant::formats::supported(info.ggml_dtype) {
-            return Ok(None);
-        }
-        let dims = info.shape.dims();
-        if dims != expected_shape {
-            bail!("tensor \"{name}\" has shape {dims:?} but the model config implies {expected_shape:?}");
+        let info = self.header.info(gguf)?;
+        let dtype = match info.stored {
+            Stored::Ggml(dtype) if super::quant::formats::supported(dtype) => dtype,
+            Stored::Iq4(_) => GgmlDType::Q8_0,
+            _ => return Ok(None),
+        };
+        if info.dims != expected_shape {
+            bail!("tensor \"{name}\" has shape {:?} but the model config implies {expected_shape:?}", info.dims);
         }
         let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
-        let bytes = self.raw(info).with_context(context)?;
-        f(gguf, info.ggml_dtype, bytes).with_context(context).map(Some)
-    }
-
-    /// The stored bytes of a tensor, in the mapped file.
-    fn raw(&self, info: &candle_core::quantized::gguf_file::TensorInfo) -> Result<&[u8]> {
-        let size = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
-        let start = self.header.content.tensor_data_offset.saturating_add(info.offset);
-        usize::try_from(start)
-            .ok()
-            .and_then(|start| self.map.get(start..start.checked_add(size)?))
-            .with_context(|| format!("the tensor's {size} bytes at offset {start} lie beyond the file's end ({} bytes)", self.map.len()))
+        let bytes = self.header.raw(gguf, info).with_context(context)?;
+        match info.stored {
+            Stored::Iq4(kind) => f(gguf, dtype, &iq4_as_q8_0(kind, bytes)).with_context(context).map(Some),
+            _ => f(gguf, dtype, bytes).with_context(context).map(Some),
+        }
     }
 
     /// The whole tensor in f32 on the CPU, with q/k rows in Hugging Face order.
     pub fn dequantize(&self, name: &str) -> Result<Tensor> {
         let gguf = self.gguf_name(name)?;
-        let info = self.header.content.tensor_infos.get(gguf).with_context(|| format!("GGUF tensor \"{gguf}\" vanished"))?;
+        let info = self.header.info(gguf)?;
         let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
-        let bytes = self.raw(info).with_context(context)?;
-        let dims = info.shape.dims().to_vec();
-        let qtensor = candle_core::quantized::ggml_file::qtensor_from_ggml(info.ggml_dtype, bytes, dims, &Device::Cpu)
-            .map_err(|err| anyhow::anyhow!("{err}"))
-            .with_context(context)?;
-        let tensor = qtensor.dequantize(&Device::Cpu).map_err(|err| anyhow::anyhow!("{err}")).with_context(context)?;
+        let bytes = self.header.raw(gguf, info).with_context(context)?;
+        let dims = info.dims.clone();
+        let tensor = match info.stored {
+            Stored::Iq4(kind) => {
+                let mut values = vec![0f32; dims.iter().product()];
+                iq4::dequantize(kind, bytes, &mut values);
+                Tensor::from_vec(values, dims, &Device::Cpu)?
+            }
+            Stored::Ggml(dtype) => candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, bytes, dims, &Device::Cpu)
+                .and_then(|q| q.dequantize(&Device::Cpu))
+                .map_err(|err| anyhow::anyhow!("{err}"))
+                .with_context(context)?,
+            Stored::Other(..) => bail!("unreachable: raw() refuses {}", info.stored.name()),
+        };
         match self.permuted_heads(gguf) {
             Some(heads) => unpermute_rows(&tensor, heads).with_context(context),
             None => Ok(tensor),
         }
     }
+}
+
+/// IQ4 blocks as Q8_0 blocks for the integer kernels: IQ4_NL exactly; IQ4_XS with each
+/// 32-value scale rounded to f16, or, where one overflows f16, its values dequantized and
+/// quantized to Q8_0 (both logged once).
+fn iq4_as_q8_0(kind: Iq4, bytes: &[u8]) -> Vec<u8> {
+    if let Some(q8_0) = iq4::to_q8_0(kind, bytes) {
+        if kind == Iq4::Xs {
+            super::quant::formats::log_once("IQ4_XS tensors are held as Q8_0, each 32-value scale rounded to f16 (relative error at most 2^-11)".into());
+        }
+        return q8_0;
+    }
+    super::quant::formats::log_once(format!("{} tensors with scales beyond f16 are dequantized and quantized to Q8_0", kind.name()));
+    let mut values = vec![0f32; bytes.len() / kind.type_size() * kind.block_size()];
+    iq4::dequantize(kind, bytes, &mut values);
+    let mut q8_0 = Vec::new();
+    super::quant::formats::quantize_into(GgmlDType::Q8_0, &values, &mut q8_0);
+    q8_0
 }
 
 #[cfg(test)]
@@ -686,5 +726,18 @@ mod tests {
         // Q8_0 (type 8, blocks of 32 values in 34 bytes): rows of 48 values.
         let err = open_error(&gguf_with_tensor(&[48, 2], 8, 34 * 3));
         assert!(err.contains("not a whole number of"), "{err}");
+    }
+
+    /// A type tpserve does not read (IQ2_XXS: 256 values in 66 bytes) opens, and reading the
+    /// tensor says which type it is and what is read.
+    #[test]
+    fn names_a_tensor_type_it_does_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("iq2.gguf");
+        std::fs::write(&path, gguf_with_tensor(&[256, 2], 16, 66 * 2)).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        let info = file.info("token_embd.weight").unwrap();
+        let err = format!("{:#}", file.raw("token_embd.weight", info).unwrap_err());
+        assert!(err.contains("IQ2_XXS (GGML type 16), which tpserve does not read") && err.contains("IQ4_XS"), "{err}");
     }
 }

@@ -13,6 +13,7 @@ pub use tpserve_kernels::cpu_matmul;
 pub mod decoder;
 pub mod gated_delta_net;
 pub mod gguf;
+mod gguf_header;
 pub mod hub;
 pub mod layers;
 pub mod loader;

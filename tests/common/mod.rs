@@ -23,7 +23,12 @@ pub struct ExpectedPrompt {
 /// The oracle's outputs for a fixture. For bf16 weights computed in f32 the reference is
 /// `f32_compute_of_same_bf16_weights` (bf16 compute has exact top-2 ties).
 pub fn expected(name: &str) -> Vec<ExpectedPrompt> {
-    let text = std::fs::read_to_string(fixture(name).join("expected.json")).expect("expected.json");
+    expected_file(&fixture(name).join("expected.json"))
+}
+
+/// The prompts of a reference file laid out as the fixtures' expected.json.
+pub fn expected_file(path: &std::path::Path) -> Vec<ExpectedPrompt> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|err| panic!("{}: {err}", path.display()));
     // Python's json writes -Infinity for masked logits; JSON has no such number.
     let text = text.replace("-Infinity", "null").replace("Infinity", "null").replace("NaN", "null");
     let json: Value = serde_json::from_str(&text).expect("expected.json parses");
@@ -554,9 +559,14 @@ pub fn load_tp1(path: &std::path::Path, dtype: &str) -> (tpserve::model::Model, 
 /// greedy ids equal and the last prompt position's logits within float32 noise (1e-4), each
 /// difference printed under `label`.
 pub fn assert_matches_oracle(label: &str, case: &str, got: &[tpserve::rank::offline::PromptResult]) {
-    let expected = expected(case);
+    assert_matches(label, &expected(case), got);
+}
+
+/// `got` against reference outputs (greedy ids exact, last prompt position's logits within
+/// float32 noise).
+pub fn assert_matches(label: &str, expected: &[ExpectedPrompt], got: &[tpserve::rank::offline::PromptResult]) {
     assert_eq!(got.len(), expected.len(), "{label}: one result per prompt");
-    for (i, (got, want)) in got.iter().zip(&expected).enumerate() {
+    for (i, (got, want)) in got.iter().zip(expected).enumerate() {
         let diff = max_abs_diff(&got.last_logits, &want.last_logits);
         println!("{label} prompt {i}: max |logit - transformers| = {diff:.3e}");
         assert_eq!(got.new_ids, want.greedy_new_ids, "{label} prompt {i}: greedy ids");

@@ -3,6 +3,7 @@
 //! - [`formats`]: the formats, a rank's slice of a tensor, load-time quantization.
 //! - [`kernels`]: 8-bit activations and dot products against GGML's row layout (K-quants, and
 //!   the rows of a matrix past its last group of eight).
+//! - [`iq4`]: IQ4_NL and IQ4_XS (4-bit levels from a table), read as f32 or as Q8_0 blocks.
 //! - [`kquant`]: the integer dot products of K-quant rows (Q2_K..Q6_K) with Q8_K activations.
 //! - [`interleaved`]: the resident layout of the 32-value block formats, eight rows
 //!   interleaved, and its products.
@@ -11,5 +12,6 @@
 pub mod formats;
 pub mod interleaved;
 pub mod interleaved_k;
+pub mod iq4;
 pub mod kernels;
 pub mod kquant;

@@ -1,0 +1,202 @@
+//! llama.cpp's 4-bit non-linear formats, IQ4_NL and IQ4_XS: each value a 4-bit index into one
+//! fixed table of 16 signed 8-bit levels, times a block scale. candle's GGML module does not
+//! read them, so they are read here: dequantized to f32 for the exact path, or turned into
+//! Q8_0 blocks for the integer kernels.
+//!
+//! - IQ4_NL: blocks of 32 values, `{ f16 d; u8 qs[16] }` (18 bytes). Value j < 16 is
+//!   `d * LEVELS[qs[j] & 15]`, value j + 16 is `d * LEVELS[qs[j] >> 4]` (Q4_0's nibble order).
+//!   As Q8_0 (`{ f16 d; i8 qs[32] }`) it is exact: the same scale, each level as its int8.
+//! - IQ4_XS: super-blocks of 256 values, `{ f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128] }`
+//!   (136 bytes): eight sub-blocks of 32, sub-block i scaled by `d * (ls_i - 32)` with a 6-bit
+//!   `ls_i` (low 4 bits in `scales_l`, high 2 in `scales_h`), its values as IQ4_NL's. As Q8_0 each
+//!   sub-block keeps its levels and takes that scale rounded to f16: every value within a
+//!   relative 2^-11 of its IQ4_XS value (the rounding of one f16 product).
+
+use half::f16;
+
+/// The 16 levels of both formats (ggml's `kvalues_iq4nl`).
+pub const LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// One of the two formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Iq4 {
+    Nl,
+    Xs,
+}
+
+/// Bytes of a Q8_0 block of 32 values.
+const Q8_0_BLOCK: usize = 34;
+
+impl Iq4 {
+    /// Its GGML type id.
+    pub fn type_id(self) -> u32 {
+        match self {
+            Iq4::Nl => 20,
+            Iq4::Xs => 23,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Iq4::Nl => "iq4_nl",
+            Iq4::Xs => "iq4_xs",
+        }
+    }
+
+    /// Values per block.
+    pub fn block_size(self) -> usize {
+        match self {
+            Iq4::Nl => 32,
+            Iq4::Xs => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        match self {
+            Iq4::Nl => 18,
+            Iq4::Xs => 136,
+        }
+    }
+
+    /// Each 32-value sub-block of the whole blocks `bytes`: (its scale, its 16 bytes of indices).
+    fn sub_blocks(self, bytes: &[u8]) -> impl Iterator<Item = (f32, &[u8])> {
+        assert_eq!(bytes.len() % self.type_size(), 0, "{} bytes are not whole {} blocks", bytes.len(), self.name());
+        bytes.chunks_exact(self.type_size()).flat_map(move |block| {
+            let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+            let scales: Vec<f32> = match self {
+                Iq4::Nl => vec![d],
+                Iq4::Xs => {
+                    let high = u16::from_le_bytes([block[2], block[3]]);
+                    (0..8)
+                        .map(|i| {
+                            let low = (block[4 + i / 2] >> (4 * (i % 2))) & 15;
+                            let ls = low as i32 | ((((high >> (2 * i)) & 3) as i32) << 4);
+                            d * (ls - 32) as f32
+                        })
+                        .collect()
+                }
+            };
+            let qs = &block[self.type_size() - 16 * scales.len()..];
+            scales.into_iter().zip(qs.chunks_exact(16))
+        })
+    }
+}
+
+/// Dequantizes whole blocks `bytes` of `kind` into `out` (one f32 per value).
+pub fn dequantize(kind: Iq4, bytes: &[u8], out: &mut [f32]) {
+    assert_eq!(out.len(), bytes.len() / kind.type_size() * kind.block_size(), "output size");
+    for ((scale, qs), values) in kind.sub_blocks(bytes).zip(out.chunks_exact_mut(32)) {
+        let (low, high) = values.split_at_mut(16);
+        for ((&q, l), h) in qs.iter().zip(low).zip(high) {
+            *l = scale * LEVELS[(q & 15) as usize] as f32;
+            *h = scale * LEVELS[(q >> 4) as usize] as f32;
+        }
+    }
+}
+
+/// The same values as Q8_0 blocks (in order, 34 bytes per 32 values): exact for IQ4_NL; for
+/// IQ4_XS each sub-block's scale is rounded to f16. None when such a scale overflows f16
+/// (a super-block scale above 2,047: quantize the dequantized values instead).
+pub fn to_q8_0(kind: Iq4, bytes: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(bytes.len() / kind.type_size() * kind.block_size() / 32 * Q8_0_BLOCK);
+    for (scale, qs) in kind.sub_blocks(bytes) {
+        let d = f16::from_f32(scale);
+        if !d.is_finite() && scale.is_finite() {
+            return None;
+        }
+        out.extend_from_slice(&d.to_le_bytes());
+        out.extend(qs.iter().map(|&q| LEVELS[(q & 15) as usize] as u8));
+        out.extend(qs.iter().map(|&q| LEVELS[(q >> 4) as usize] as u8));
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+
+    use super::*;
+    use crate::quant::formats;
+
+    /// Blocks of `kind` from a simple generator: any bytes are a valid block once the scale is a
+    /// finite f16.
+    fn blocks(kind: Iq4, count: usize, seed: u32) -> Vec<u8> {
+        let mut state = seed;
+        let mut bytes: Vec<u8> = (0..count * kind.type_size())
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (state >> 24) as u8
+            })
+            .collect();
+        for (i, block) in bytes.chunks_exact_mut(kind.type_size()).enumerate() {
+            block[..2].copy_from_slice(&f16::from_f32(0.001 * (i as f32 + 1.0)).to_le_bytes());
+        }
+        bytes
+    }
+
+    /// The formats' definitions written out value by value, as ggml's
+    /// `dequantize_row_iq4_nl` / `dequantize_row_iq4_xs` loop.
+    fn reference(kind: Iq4, bytes: &[u8]) -> Vec<f32> {
+        let mut out = Vec::new();
+        for block in bytes.chunks_exact(kind.type_size()) {
+            let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+            match kind {
+                Iq4::Nl => {
+                    let qs = &block[2..];
+                    out.extend((0..16).map(|j| d * LEVELS[(qs[j] & 15) as usize] as f32));
+                    out.extend((0..16).map(|j| d * LEVELS[(qs[j] >> 4) as usize] as f32));
+                }
+                Iq4::Xs => {
+                    let scales_h = u16::from_le_bytes([block[2], block[3]]) as i32;
+                    for ib in 0..8 {
+                        let ls = ((block[4 + ib / 2] as i32 >> (4 * (ib % 2))) & 15) | (((scales_h >> (2 * ib)) & 3) << 4);
+                        let dl = d * (ls - 32) as f32;
+                        let qs = &block[8 + 16 * ib..8 + 16 * ib + 16];
+                        out.extend((0..16).map(|j| dl * LEVELS[(qs[j] & 15) as usize] as f32));
+                        out.extend((0..16).map(|j| dl * LEVELS[(qs[j] >> 4) as usize] as f32));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn dequantizes_as_ggml_defines_the_formats() {
+        for kind in [Iq4::Nl, Iq4::Xs] {
+            let bytes = blocks(kind, 5, 7);
+            let mut got = vec![0f32; 5 * kind.block_size()];
+            dequantize(kind, &bytes, &mut got);
+            assert_eq!(got, reference(kind, &bytes), "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn iq4_nl_becomes_q8_0_exactly_and_iq4_xs_within_an_f16_rounding() {
+        for kind in [Iq4::Nl, Iq4::Xs] {
+            let bytes = blocks(kind, 3, 11);
+            let want = reference(kind, &bytes);
+            let q8 = to_q8_0(kind, &bytes).expect("scales fit f16");
+            assert_eq!(q8.len(), want.len() / 32 * Q8_0_BLOCK);
+            let mut got = vec![0f32; want.len()];
+            formats::dequantize(GgmlDType::Q8_0, &q8, &mut got);
+            for (g, w) in got.iter().zip(&want) {
+                match kind {
+                    Iq4::Nl => assert_eq!(g, w),
+                    Iq4::Xs => assert!((g - w).abs() <= w.abs() * 2f32.powi(-11), "{g} vs {w}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_scale_beyond_f16_is_left_to_the_caller() {
+        let mut bytes = blocks(Iq4::Xs, 1, 3);
+        bytes[..2].copy_from_slice(&f16::from_f32(60_000.0).to_le_bytes());
+        // Sub-block 0's 6-bit ls = 0: a scale of -32 d, beyond f16's 65,504.
+        bytes[4] &= !15;
+        bytes[2] &= !3;
+        assert!(to_q8_0(Iq4::Xs, &bytes).is_none());
+    }
+}
