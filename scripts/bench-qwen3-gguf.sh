@@ -19,7 +19,8 @@
 # The checkpoint has random weights (transformers' initialization, bf16; speed does not depend
 # on the values, except which experts a token picks) and the real Qwen3 tokenizer
 # (tests/fixtures/qwen3_chat). llama.cpp's own converter makes the Q8_0 file, and its quantizer
-# the Q4_0 and Q4_K_M files from it (allow_requantize; Q4_K_M keeps some tensors in Q6_K).
+# the Q4_0, Q4_K_M and IQ4_XS files from it (allow_requantize; Q4_K_M keeps some tensors in Q6_K;
+# tpserve holds IQ4_XS as Q8_0 blocks, twice the file's bytes for those tensors).
 # Needs a release build, a Python with torch, transformers, sentencepiece and llama-cpp-python
 # (CMAKE_ARGS="-DGGML_NATIVE=ON"), and llama.cpp's converter, LLAMA_CPP_DIR (the
 # vendor/llama.cpp of the llama-cpp-python sdist; see scripts/oracle/make_gguf.py). The files
@@ -38,7 +39,7 @@ case "$SHAPE" in
   moe) NAME=qwen3-moe-1.8b-a0.3b ;;
   *) echo "SHAPE must be dense or moe" >&2; exit 2 ;;
 esac
-FORMATS=(Q8_0 Q4_0 Q4_K_M)
+FORMATS=(Q8_0 Q4_0 Q4_K_M IQ4_XS)
 mkdir -p "$WORK"
 if [ ! -f "$WORK/$NAME.Q8_0.gguf" ]; then
   "$PYTHON" - "$WORK/$NAME" tests/fixtures/qwen3_chat "$SHAPE" <<'EOF'
@@ -69,6 +70,9 @@ EOF
   "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/$NAME.Q8_0.gguf" "$WORK/$NAME.Q4_0.gguf" q4_0 >/dev/null 2>&1
   "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/$NAME.Q8_0.gguf" "$WORK/$NAME.Q4_K_M.gguf" q4_k >/dev/null 2>&1
   rm -rf "$WORK/$NAME"
+fi
+if [ ! -f "$WORK/$NAME.IQ4_XS.gguf" ]; then # made when missing: added after the others
+  "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/$NAME.Q8_0.gguf" "$WORK/$NAME.IQ4_XS.gguf" iq4_xs >/dev/null 2>&1
 fi
 tmp=$(mktemp -d)
 servers=()
@@ -113,8 +117,9 @@ echo "|---|---|---|---|---|---|---|---|"
 for fmt in "${FORMATS[@]}"; do
   gguf=$WORK/$NAME.$fmt.gguf
   mb=$(( $(stat -c %s "$gguf") / 1000000 ))
-  # Every tensor once, but of the stacked experts (ffn_*_exps) only the share a token uses.
-  read_mb=$("$PYTHON" - "$gguf" <<'EOF'
+  # Every tensor once, but of the stacked experts (ffn_*_exps) only the share a token uses; then
+  # the same for the blocks tpserve holds (IQ4 tensors as Q8_0: 34 bytes per 32 values).
+  read "read_mb" "held_mb" < <("$PYTHON" - "$gguf" <<'EOF'
 import os, sys
 sys.path.insert(0, os.path.join(os.environ["LLAMA_CPP_DIR"], "gguf-py"))
 import gguf
@@ -122,12 +127,15 @@ reader = gguf.GGUFReader(sys.argv[1])
 arch = reader.fields["general.architecture"].contents()
 field = lambda key: reader.fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in reader.fields else None
 used = (field("expert_used_count") or 1) / (field("expert_count") or 1)
-print(round(sum(t.n_bytes * (used if "_exps" in t.name else 1) for t in reader.tensors) / 1e6))
+share = lambda t: used if "_exps" in t.name else 1
+held = lambda t: t.n_elements * 34 / 32 if t.tensor_type.name in ("IQ4_NL", "IQ4_XS") else t.n_bytes
+print(round(sum(t.n_bytes * share(t) for t in reader.tensors) / 1e6), round(sum(held(t) * share(t) for t in reader.tensors) / 1e6))
 EOF
 )
   python3 -c "q, s, l, bw = ${best[$fmt tpserve]}, ${best[$fmt serve]}, ${best[$fmt llama.cpp]}, ${best[bandwidth]}
-share = lambda t: f'{t:.1f} ({t * $read_mb / 1000 / bw:.0%})'
-print(f'| $fmt | $mb | $read_mb | {share(q)} | {share(s)} | {share(l)} | {q / l:.2f}x | {s / l:.2f}x |')"
+share = lambda t, mb: f'{t:.1f} ({t * mb / 1000 / bw:.0%})'
+read = '$read_mb' if $read_mb == $held_mb else '$read_mb (tpserve: $held_mb)'
+print(f'| $fmt | $mb | {read} | {share(q, $held_mb)} | {share(s, $held_mb)} | {share(l, $read_mb)} | {q / l:.2f}x | {s / l:.2f}x |')"
 done
 echo
 echo "seconds to load the model (least of the runs; tpserve: eval-shard's TP 1 shard; llama.cpp: Llama(), which maps the file):"

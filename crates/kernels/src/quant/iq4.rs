@@ -13,6 +13,7 @@
 //!   relative 2^-11 of its IQ4_XS value (the rounding of one f16 product).
 
 use half::f16;
+use rayon::prelude::*;
 
 /// The 16 levels of both formats (ggml's `kvalues_iq4nl`).
 pub const LEVELS: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
@@ -28,14 +29,6 @@ pub enum Iq4 {
 const Q8_0_BLOCK: usize = 34;
 
 impl Iq4 {
-    /// Its GGML type id.
-    pub fn type_id(self) -> u32 {
-        match self {
-            Iq4::Nl => 20,
-            Iq4::Xs => 23,
-        }
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             Iq4::Nl => "iq4_nl",
@@ -59,57 +52,62 @@ impl Iq4 {
         }
     }
 
-    /// Each 32-value sub-block of the whole blocks `bytes`: (its scale, its 16 bytes of indices).
-    fn sub_blocks(self, bytes: &[u8]) -> impl Iterator<Item = (f32, &[u8])> {
+    /// The 32-value sub-blocks of one block: (scale, 16 bytes of indices) for each.
+    fn sub_blocks(self, block: &[u8]) -> impl Iterator<Item = (f32, &[u8])> {
+        let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let (subs, qs) = (self.block_size() / 32, &block[self.type_size() - self.block_size() / 2..]);
+        let high = u16::from_le_bytes([block[2], block[3]]); // IQ4_XS's scales_h
+        let scale = move |i: usize| match self {
+            Iq4::Nl => d,
+            Iq4::Xs => {
+                let low = (block[4 + i / 2] >> (4 * (i % 2))) & 15;
+                let ls = low as i32 | ((((high >> (2 * i)) & 3) as i32) << 4);
+                d * (ls - 32) as f32
+            }
+        };
+        qs.chunks_exact(16).take(subs).enumerate().map(move |(i, q)| (scale(i), q))
+    }
+
+    /// Whole blocks: asserts `bytes` holds a whole number of them.
+    fn blocks(self, bytes: &[u8]) -> std::slice::ChunksExact<'_, u8> {
         assert_eq!(bytes.len() % self.type_size(), 0, "{} bytes are not whole {} blocks", bytes.len(), self.name());
-        bytes.chunks_exact(self.type_size()).flat_map(move |block| {
-            let d = f16::from_le_bytes([block[0], block[1]]).to_f32();
-            let scales: Vec<f32> = match self {
-                Iq4::Nl => vec![d],
-                Iq4::Xs => {
-                    let high = u16::from_le_bytes([block[2], block[3]]);
-                    (0..8)
-                        .map(|i| {
-                            let low = (block[4 + i / 2] >> (4 * (i % 2))) & 15;
-                            let ls = low as i32 | ((((high >> (2 * i)) & 3) as i32) << 4);
-                            d * (ls - 32) as f32
-                        })
-                        .collect()
-                }
-            };
-            let qs = &block[self.type_size() - 16 * scales.len()..];
-            scales.into_iter().zip(qs.chunks_exact(16))
-        })
+        bytes.chunks_exact(self.type_size())
     }
 }
 
 /// Dequantizes whole blocks `bytes` of `kind` into `out` (one f32 per value).
 pub fn dequantize(kind: Iq4, bytes: &[u8], out: &mut [f32]) {
     assert_eq!(out.len(), bytes.len() / kind.type_size() * kind.block_size(), "output size");
-    for ((scale, qs), values) in kind.sub_blocks(bytes).zip(out.chunks_exact_mut(32)) {
-        let (low, high) = values.split_at_mut(16);
-        for ((&q, l), h) in qs.iter().zip(low).zip(high) {
-            *l = scale * LEVELS[(q & 15) as usize] as f32;
-            *h = scale * LEVELS[(q >> 4) as usize] as f32;
+    for (block, values) in kind.blocks(bytes).zip(out.chunks_exact_mut(kind.block_size())) {
+        for ((scale, qs), values) in kind.sub_blocks(block).zip(values.chunks_exact_mut(32)) {
+            let (low, high) = values.split_at_mut(16);
+            for ((&q, l), h) in qs.iter().zip(low).zip(high) {
+                *l = scale * LEVELS[(q & 15) as usize] as f32;
+                *h = scale * LEVELS[(q >> 4) as usize] as f32;
+            }
         }
     }
 }
 
-/// The same values as Q8_0 blocks (in order, 34 bytes per 32 values): exact for IQ4_NL; for
-/// IQ4_XS each sub-block's scale is rounded to f16. None when such a scale overflows f16
-/// (a super-block scale above 2,047: quantize the dequantized values instead).
+/// The same values as Q8_0 blocks (in order, 34 bytes per 32 values), converted in parallel:
+/// exact for IQ4_NL; for IQ4_XS each sub-block's scale is rounded to f16. None when such a
+/// scale overflows f16 (a super-block scale above 2,047: quantize the dequantized values
+/// instead).
 pub fn to_q8_0(kind: Iq4, bytes: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(bytes.len() / kind.type_size() * kind.block_size() / 32 * Q8_0_BLOCK);
-    for (scale, qs) in kind.sub_blocks(bytes) {
-        let d = f16::from_f32(scale);
-        if !d.is_finite() && scale.is_finite() {
-            return None;
-        }
-        out.extend_from_slice(&d.to_le_bytes());
-        out.extend(qs.iter().map(|&q| LEVELS[(q & 15) as usize] as u8));
-        out.extend(qs.iter().map(|&q| LEVELS[(q >> 4) as usize] as u8));
-    }
-    Some(out)
+    let per_block = kind.block_size() / 32 * Q8_0_BLOCK;
+    let mut out = vec![0u8; kind.blocks(bytes).len() * per_block];
+    let fits = out.par_chunks_mut(per_block).zip(bytes.par_chunks(kind.type_size())).all(|(out, block)| {
+        kind.sub_blocks(block).zip(out.chunks_exact_mut(Q8_0_BLOCK)).all(|((scale, qs), q8)| {
+            let d = f16::from_f32(scale);
+            q8[..2].copy_from_slice(&d.to_le_bytes());
+            for (j, &q) in qs.iter().enumerate() {
+                q8[2 + j] = LEVELS[(q & 15) as usize] as u8;
+                q8[18 + j] = LEVELS[(q >> 4) as usize] as u8;
+            }
+            d.is_finite() || !scale.is_finite()
+        })
+    });
+    fits.then_some(out)
 }
 
 #[cfg(test)]
