@@ -168,12 +168,13 @@ fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
     common::assert_q8_0_gguf_close_to_its_f32_path("llama3_a", &gguf("llama3_a.q8_0.gguf"), &prompts(), EOS, 0.05);
 }
 
-/// llama.cpp's IQ4_NL and IQ4_XS files of the same checkpoint (types candle does not read),
-/// dequantized (`--dtype f32`) at TP 1 and 2: greedy ids and logits equal transformers' on the
-/// weights those files hold (gguf-py's dequantization, scripts/oracle/make_iq4.py).
+/// llama.cpp's IQ4_NL and IQ4_XS files of the same checkpoint (types candle does not read) and
+/// its F16 file, dequantized (`--dtype f32`) at TP 1 and 2: greedy ids and logits equal
+/// transformers' on the weights those files hold (gguf-py's dequantization,
+/// scripts/oracle/make_llama3_quants.py).
 #[test]
-fn iq4_files_dequantized_match_transformers_on_their_weights() {
-    for kind in ["iq4_nl", "iq4_xs"] {
+fn iq4_and_f16_files_dequantized_match_transformers_on_their_weights() {
+    for kind in ["iq4_nl", "iq4_xs", "f16"] {
         let expected = common::expected_file(&gguf(&format!("llama3_a.{kind}.expected.json")));
         let prompts: Vec<Vec<u32>> = expected.iter().map(|p| p.ids.clone()).collect();
         for tp in [1, 2] {
@@ -190,6 +191,25 @@ fn iq4_files_dequantized_match_transformers_on_their_weights() {
 fn iq4_files_stay_quantized_as_q8_0_and_close_to_their_f32_path() {
     for kind in ["iq4_nl", "iq4_xs"] {
         common::assert_q8_0_gguf_close_to_its_f32_path(&format!("llama3_a {kind}"), &gguf(&format!("llama3_a.{kind}.gguf")), &prompts(), EOS, 0.05);
+    }
+}
+
+/// The F16 file under `--dtype auto` keeps its matrices in f16 (half the bytes of f32) and
+/// computes in f32, widening each weight exactly: the same ids and logits as transformers on
+/// those weights, at TP 1 and 2.
+#[test]
+fn f16_file_stays_f16_and_matches_transformers() {
+    let path = gguf("llama3_a.f16.gguf");
+    let (f16, progress) = common::load_tp1(&path, "auto");
+    let (f32, _) = common::load_tp1(&path, "f32");
+    let summary = progress.format_summary();
+    println!("llama3_a F16 GGUF under auto: {summary}, {} bytes against {} as f32", f16.weight_bytes(), f32.weight_bytes());
+    assert!(summary.contains("f16") && !summary.contains("f32"), "{summary}");
+    assert!(f16.weight_bytes() * 10 < f32.weight_bytes() * 6, "{} against {} bytes", f16.weight_bytes(), f32.weight_bytes());
+    let expected = common::expected_file(&gguf("llama3_a.f16.expected.json"));
+    for tp in [1, 2] {
+        let got = ShardRun::new(&path, &prompts(), tp).run();
+        common::assert_matches(&format!("llama3_a F16 GGUF kept f16, TP {tp}"), &expected, &got);
     }
 }
 

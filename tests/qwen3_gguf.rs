@@ -86,7 +86,7 @@ fn f32_files_match_transformers_at_tp1_and_tp2() {
 #[test]
 fn bf16_file_stays_bf16_and_matches_transformers() {
     let path = gguf("qwen3_c_bf16.bf16.gguf");
-    let bf16 = tpserve_kernels::cpu_matmul::bf16_weights_fast();
+    let bf16 = tpserve_kernels::cpu_matmul::half_weights_fast();
     let (auto, f32) = (load(&path, "auto"), load(&path, "f32"));
     eprintln!("qwen3_c_bf16 GGUF: --dtype auto holds {} bytes, f32 {} (bf16 kernels: {bf16})", auto.weight_bytes(), f32.weight_bytes());
     if bf16 {

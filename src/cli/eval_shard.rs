@@ -47,7 +47,7 @@ pub struct EvalShardArgs {
     /// Prefill chunk size (0: whole prompt in one step)
     #[arg(long, default_value_t = 0)]
     pub chunk: usize,
-    /// f32, bf16 (on CPU: bf16 weights, f32 compute), f16, checkpoint, or auto (a quantized
+    /// f32, bf16 or f16 (on CPU: 16-bit weights, f32 compute), checkpoint, or auto (a quantized
     /// GGUF stays in its blocks)
     #[arg(long, default_value = "f32")]
     pub dtype: String,

@@ -403,9 +403,9 @@ pub async fn run(cli: Cli) -> Result<std::process::ExitCode> {
 /// How the ranks hold the weights (`serve`, `coordinator`).
 #[derive(Args, Debug, Clone)]
 pub struct WeightArgs {
-    /// Weight dtype: auto (GPU: bf16; CPU: a bf16 checkpoint stays bf16 where the CPU has a SIMD
-    /// bf16 kernel, a quantized GGUF stays in its blocks, else f32), checkpoint, f32 (a GGUF
-    /// dequantized: the exact path), bf16 (on CPU: bf16 weights, f32 compute), f16
+    /// Weight dtype: auto (GPU: bf16; CPU: a bf16 or f16 checkpoint stays so where the CPU has a
+    /// SIMD kernel for it, a quantized GGUF stays in its blocks, else f32), checkpoint, f32 (a
+    /// GGUF dequantized: the exact path), bf16 or f16 (on CPU: 16-bit weights, f32 compute)
     #[arg(long, default_value = "auto")]
     pub dtype: String,
     /// Quantize every matrix at load time to a GGUF block format, each rank its own slice, and

@@ -72,9 +72,9 @@ impl<'a> SequenceInput<'a> {
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     /// dtype the weights are converted to; None keeps the checkpoint's dtype. The model computes
-    /// in it too, except bf16 on CPU: there the weights of matrix products stay bf16 (half the
-    /// bytes of f32 to hold and to stream per token) and everything is computed in f32 (see
-    /// `cpu_matmul`), as exact as converting the weights to f32.
+    /// in it too, except bf16 and f16 on CPU: there the weights of matrix products stay in their
+    /// 16 bits (half the bytes of f32 to hold and to stream per token) and everything is
+    /// computed in f32 (see `cpu_matmul`), as exact as converting the weights to f32.
     pub dtype: Option<DType>,
     pub device: Device,
     /// how bf16 weights' products are computed on the CPU (`--matmul-precision`):
@@ -84,16 +84,17 @@ pub struct LoadOptions {
 
 /// (compute dtype, dtype of the weights of matrix products) for weights in `dtype`.
 pub fn resident_dtypes(dtype: DType, device: &Device) -> (DType, DType) {
-    if device.is_cpu() && dtype == DType::BF16 { (DType::F32, DType::BF16) } else { (dtype, dtype) }
+    if device.is_cpu() && matches!(dtype, DType::BF16 | DType::F16) { (DType::F32, dtype) } else { (dtype, dtype) }
 }
 
-/// What `--dtype auto` loads on CPU: a bf16 checkpoint stays bf16 where the CPU has a fast
-/// bf16-weight kernel ([`cpu_matmul::bf16_weights_fast`]); anything else is computed in f32.
+/// What `--dtype auto` loads on CPU: a bf16 or f16 checkpoint stays in its dtype where the CPU
+/// has a fast kernel for such weights ([`cpu_matmul::half_weights_fast`]); anything else is
+/// computed in f32.
 /// A checkpoint that cannot be read gets f32 (loading it reports the error).
 pub fn cpu_auto_dtype(dir: &Path) -> DType {
     let stored = WeightFiles::open(dir).and_then(|files| checkpoint_dtype(&files));
     match stored {
-        Ok(DType::BF16) if cpu_matmul::bf16_weights_fast() => DType::BF16,
+        Ok(dtype @ (DType::BF16 | DType::F16)) if cpu_matmul::half_weights_fast() => dtype,
         _ => DType::F32,
     }
 }

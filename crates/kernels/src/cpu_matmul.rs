@@ -1,4 +1,4 @@
-//! CPU kernels for `x @ w.T` (x `[m, k]` f32, w `[n, k]` f32 or bf16): decode and batches.
+//! CPU kernels for `x @ w.T` (x `[m, k]` f32, w `[n, k]` f32, bf16 or f16): decode and batches.
 //!
 //! candle's gemm path for a handful of rows against a [out, in] weight reaches about a third of
 //! this machine's memory bandwidth, and decode is bound by streaming the weights once per step.
@@ -9,8 +9,9 @@
 //! vector for `RW` weight rows, and the weights are read in place, never copied. Past
 //! [`f32_max_rows`] rows (a long prompt) f32 weights go back to candle's gemm, faster there.
 //!
-//! A bf16 weight stays bf16 in memory, which halves the bytes a decode step streams, and is
-//! widened to f32 in registers (a bf16 is the high half of an f32, so widening is exact). Products
+//! A bf16 or f16 weight stays in its 16 bits in memory, which halves the bytes a decode step
+//! streams, and is widened to f32 in registers (a bf16 is the high half of an f32; F16C's
+//! `vcvtph2ps` converts an f16; both exactly). Products
 //! and sums are f32, so the result equals the f32 computation on the widened weights up to the
 //! order of additions. Every element's additions happen in the same order whatever the number of
 //! rows, so a row's result does not depend on the batch it is in.
@@ -78,7 +79,9 @@ impl Isa {
         match self {
             Isa::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"),
+            Isa::Avx2 => {
+                std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::is_x86_feature_detected!("avx512f"),
             #[cfg(not(target_arch = "x86_64"))]
@@ -114,14 +117,14 @@ impl Isa {
     }
 }
 
-/// Whether bf16-resident weights are the better default on this CPU: a SIMD path widens them
-/// for about the cost of a load, so decode streams half the bytes of f32 for the same result.
-pub fn bf16_weights_fast() -> bool {
+/// Whether bf16- or f16-resident weights are the better default on this CPU: a SIMD path widens
+/// them for about the cost of a load, so decode streams half the bytes of f32 for the same result.
+pub fn half_weights_fast() -> bool {
     Isa::selected() >= Isa::Avx2
 }
 
 /// `x [m, k] @ w.T` for w `[n, k]`, or None when this kernel does not apply (not CPU, x not
-/// f32, w neither f32 nor bf16, more than [`f32_max_rows`] rows against an f32 weight,
+/// f32, w not f32, bf16 or f16, more than [`f32_max_rows`] rows against an f32 weight,
 /// non-contiguous weight).
 pub fn matmul_transposed(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     matmul_transposed_with(x, w, Isa::selected())
@@ -142,7 +145,8 @@ pub fn matmul_transposed_with(x: &Tensor, w: &Tensor, isa: Isa) -> Result<Option
     let stored = layout.start_offset()..layout.start_offset() + n * k;
     let weights = match w.dtype() {
         DType::F32 if m <= f32_max_rows(isa) => Rows::F32(&cpu.as_slice::<f32>()?[stored]),
-        DType::BF16 => Rows::Bf16(bf16_bits(&cpu.as_slice::<half::bf16>()?[stored])),
+        DType::BF16 => Rows::Half(Half::Bf16, bits(&cpu.as_slice::<half::bf16>()?[stored])),
+        DType::F16 => Rows::Half(Half::F16, bits(&cpu.as_slice::<half::f16>()?[stored])),
         _ => return Ok(None),
     };
     // x is read in place when contiguous (a copy of it per product was 3 MB a step at 16 rows).
@@ -153,19 +157,37 @@ pub fn matmul_transposed_with(x: &Tensor, w: &Tensor, isa: Isa) -> Result<Option
     Ok(Some(Tensor::from_vec(product(x_values, weights, m, k, isa), (m, n), x.device())?))
 }
 
+/// A 16-bit float format of weights, widened to f32 exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Half {
+    Bf16,
+    F16,
+}
+
+impl Half {
+    /// The tiles' const-generic code for weights of this format ([`x86`]'s `W`).
+    #[cfg(target_arch = "x86_64")]
+    fn code(self) -> u8 {
+        match self {
+            Half::Bf16 => x86::BF16,
+            Half::F16 => x86::F16,
+        }
+    }
+}
+
 /// Weight rows `[rows, k]`, as stored.
 #[derive(Clone, Copy)]
 enum Rows<'a> {
     F32(&'a [f32]),
-    /// bf16 bit patterns
-    Bf16(&'a [u16]),
+    /// bf16 or f16 bit patterns
+    Half(Half, &'a [u16]),
 }
 
 impl<'a> Rows<'a> {
     fn len(self) -> usize {
         match self {
             Rows::F32(w) => w.len(),
-            Rows::Bf16(w) => w.len(),
+            Rows::Half(_, w) => w.len(),
         }
     }
 
@@ -173,20 +195,27 @@ impl<'a> Rows<'a> {
     fn rows(self, first: usize, count: usize, k: usize) -> Rows<'a> {
         match self {
             Rows::F32(w) => Rows::F32(&w[first * k..(first + count) * k]),
-            Rows::Bf16(w) => Rows::Bf16(&w[first * k..(first + count) * k]),
+            Rows::Half(h, w) => Rows::Half(h, &w[first * k..(first + count) * k]),
         }
     }
 }
 
-fn bf16_bits(values: &[half::bf16]) -> &[u16] {
-    // SAFETY: half::bf16 is a #[repr(transparent)] wrapper of u16: same size, alignment and
-    // validity, so the slice can be viewed as its bit patterns.
+/// The bit patterns of 16-bit floats.
+fn bits<T: Copy>(values: &[T]) -> &[u16] {
+    assert_eq!(std::mem::size_of::<T>(), 2);
+    // SAFETY: T (half::bf16 or half::f16) is a #[repr(transparent)] wrapper of u16, as the
+    // assertion checks in size: same size, alignment and validity, so the slice can be viewed
+    // as its bit patterns.
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u16>(), values.len()) }
 }
 
+/// One stored weight widened to f32 (exact for both formats).
 #[inline(always)]
-fn widen(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
+fn widen(half: Half, bits: u16) -> f32 {
+    match half {
+        Half::Bf16 => f32::from_bits((bits as u32) << 16),
+        Half::F16 => half::f16::from_bits(bits).to_f32(),
+    }
 }
 
 /// `x [m, k] @ w.T` as `[m, n]`, the weight rows split into tasks over the pool. The one place
@@ -222,15 +251,15 @@ fn product(x: &[f32], w: Rows, m: usize, k: usize, isa: Isa) -> Vec<f32> {
 }
 
 /// The portable path for one task: each weight row (widened once into a scratch row when
-/// bf16) dotted with every x row.
+/// bf16 or f16) dotted with every x row.
 fn portable(out: Output, first: usize, w: Rows, x: &[f32], m: usize, k: usize) {
     let mut widened = vec![0f32; k];
     for r in 0..w.len() / k {
         let row: &[f32] = match w {
             Rows::F32(w) => &w[r * k..(r + 1) * k],
-            Rows::Bf16(w) => {
+            Rows::Half(half, w) => {
                 for (dst, &bits) in widened.iter_mut().zip(&w[r * k..(r + 1) * k]) {
-                    *dst = widen(bits);
+                    *dst = widen(half, bits);
                 }
                 &widened
             }
@@ -265,17 +294,22 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// The SIMD paths for bf16 weights. A tile computes `RW` weight rows against `RX` rows of x
+/// The SIMD paths. A tile computes `RW` weight rows against `RX` rows of x
 /// with one f32 vector accumulator per pair, so each weight vector loaded (and widened) is used
 /// `RX` times and each x vector `RW` times.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Output, Rows};
+    use super::{Half, Output, Rows};
 
     /// Weight rows per tile (the last rows of a task go one at a time).
     const RW: usize = 4;
+
+    /// The weights' element format, a tile's const generic `W`: f32, bf16 or f16 bits.
+    pub const F32: u8 = 0;
+    pub const BF16: u8 = 1;
+    pub const F16: u8 = 2;
 
     pub struct Avx2;
     pub struct Avx512;
@@ -291,53 +325,57 @@ mod x86 {
     pub trait Simd {
         /// Most x rows per tile: the accumulators, `RW * RX` vectors, must fit the registers.
         const RX: usize;
-        /// From how many x rows on [`block`] widens bf16 weight rows into an f32 scratch block
+        /// From how many x rows on [`block`] widens 16-bit weight rows into an f32 scratch block
         /// once, rather than in registers on every pass (more than `RX`; `usize::MAX`: never).
         const WIDEN_ONCE_FROM: usize;
         /// Writes out[c * out_stride + r] = dot(w row r, x row c) for r < rw, c < rx, and
         /// prefetches the bytes of `ahead` meanwhile.
         ///
         /// # Safety
-        /// The CPU has the path's features; `w` points to `rw` rows of `k` elements (u16 bf16
-        /// bits when `bf16`, else f32), `x` to `rx` rows of `k` f32, `out` to `rx` rows of
-        /// `out_stride >= rw` writable f32; `rw` is 1 or [`RW`], `1 <= rx <= Self::RX`.
+        /// The CPU has the path's features; `w` points to `rw` rows of `k` elements (f32 when
+        /// `elem` is [`F32`], else u16 bits of [`BF16`] or [`F16`]), `x` to `rx` rows of `k`
+        /// f32, `out` to `rx` rows of `out_stride >= rw` writable f32; `rw` is 1 or [`RW`],
+        /// `1 <= rx <= Self::RX`.
         #[allow(clippy::too_many_arguments)]
-        unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize);
-        /// `out[i] = ` bf16 `bits[i]` widened to f32 (exact), for i below both lengths.
+        unsafe fn tile(elem: u8, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize);
+        /// `out[i] = ` `bits[i]` widened to f32 (exact), for i below both lengths.
         ///
         /// # Safety
         /// The CPU has the path's features.
-        unsafe fn widen_rows(bits: &[u16], out: &mut [f32]);
+        unsafe fn widen_rows(half: Half, bits: &[u16], out: &mut [f32]);
     }
 
     /// [`Simd::widen_rows`] a vector at a time (`$lanes` values through `$widen`), the tail one
     /// by one.
     macro_rules! widen_rows_fn {
-        ($name:ident, $feature:literal, $lanes:expr, $widen:ident, $store:ident) => {
+        ($name:ident, $feature:literal, $lanes:expr, $widen:ident, $widen_h:ident, $store:ident) => {
             /// # Safety
             /// As [`Simd::widen_rows`].
             #[target_feature(enable = $feature)]
-            unsafe fn $name(bits: &[u16], out: &mut [f32]) {
+            unsafe fn $name(half: Half, bits: &[u16], out: &mut [f32]) {
                 let n = bits.len().min(out.len());
                 let mut i = 0;
                 while i + $lanes <= n {
                     // SAFETY: elements i..i + $lanes of both slices exist (i + $lanes <= n).
-                    unsafe { $store(out.as_mut_ptr().add(i), $widen(bits.as_ptr().add(i))) };
+                    unsafe {
+                        let p = bits.as_ptr().add(i);
+                        $store(out.as_mut_ptr().add(i), if half == Half::Bf16 { $widen(p) } else { $widen_h(p) });
+                    }
                     i += $lanes;
                 }
                 for (o, &b) in out[i..n].iter_mut().zip(&bits[i..n]) {
-                    *o = super::widen(b);
+                    *o = super::widen(half, b);
                 }
             }
         };
     }
 
     macro_rules! tile_fn {
-        ($name:ident, $feature:literal, $lanes:expr, $zero:ident, $load:ident, $widen:ident, $fma:ident, $hsum:ident) => {
+        ($name:ident, $feature:literal, $lanes:expr, $zero:ident, $load:ident, $widen:ident, $widen_h:ident, $fma:ident, $hsum:ident) => {
             /// # Safety
-            /// As [`Simd::tile`].
+            /// As [`Simd::tile`], with `W` for its `elem`.
             #[target_feature(enable = $feature)]
-            unsafe fn $name<const BF16: bool, const TR: usize, const TC: usize>(
+            unsafe fn $name<const W: u8, const TR: usize, const TC: usize>(
                 ahead: Ahead,
                 w: *const u8,
                 x: *const f32,
@@ -371,10 +409,10 @@ mod x86 {
                             xv[c] = $load(x.add(c * k + kk));
                         }
                         for r in 0..TR {
-                            let wv = if BF16 {
-                                $widen(w.cast::<u16>().add(r * k + kk))
-                            } else {
-                                $load(w.cast::<f32>().add(r * k + kk))
+                            let wv = match W {
+                                BF16 => $widen(w.cast::<u16>().add(r * k + kk)),
+                                F16 => $widen_h(w.cast::<u16>().add(r * k + kk)),
+                                _ => $load(w.cast::<f32>().add(r * k + kk)),
                             };
                             for c in 0..TC {
                                 acc[r][c] = $fma(wv, xv[c], acc[r][c]);
@@ -401,10 +439,10 @@ mod x86 {
                         for c in 0..TC {
                             let mut sum = $hsum(acc[r][c]);
                             for t in kk..k {
-                                let wt = if BF16 {
-                                    super::widen(*w.cast::<u16>().add(r * k + t))
-                                } else {
-                                    *w.cast::<f32>().add(r * k + t)
+                                let wt = match W {
+                                    BF16 => super::widen(Half::Bf16, *w.cast::<u16>().add(r * k + t)),
+                                    F16 => super::widen(Half::F16, *w.cast::<u16>().add(r * k + t)),
+                                    _ => *w.cast::<f32>().add(r * k + t),
                                 };
                                 sum += wt * *x.add(c * k + t);
                             }
@@ -417,25 +455,27 @@ mod x86 {
     }
 
     macro_rules! dispatch {
-        ($f:ident, $bf16:expr, $rw:expr, $rx:expr, $args:tt, [$($c:literal),*]) => {
-            match ($bf16, $rw, $rx) {
+        ($f:ident, $elem:expr, $rw:expr, $rx:expr, $args:tt, [$($c:literal),*]) => {
+            match ($elem, $rw, $rx) {
                 $(
-                    (true, RW, $c) => $f::<true, RW, $c>$args,
-                    (true, 1, $c) => $f::<true, 1, $c>$args,
-                    (false, RW, $c) => $f::<false, RW, $c>$args,
-                    (false, 1, $c) => $f::<false, 1, $c>$args,
+                    (F32, RW, $c) => $f::<F32, RW, $c>$args,
+                    (F32, 1, $c) => $f::<F32, 1, $c>$args,
+                    (BF16, RW, $c) => $f::<BF16, RW, $c>$args,
+                    (BF16, 1, $c) => $f::<BF16, 1, $c>$args,
+                    (F16, RW, $c) => $f::<F16, RW, $c>$args,
+                    (F16, 1, $c) => $f::<F16, 1, $c>$args,
                 )*
-                // The callers' contract (`Simd::tile`): rw is RW or 1 and rx is 1..=RX, every
-                // one of which has an arm above.
+                // The callers' contract (`Simd::tile`): elem is one of the three, rw is RW or 1
+                // and rx is 1..=RX, every one of which has an arm above.
                 other => unreachable!("no tile for {other:?}"),
             }
         };
     }
 
-    // ---- AVX2 + FMA: 8 lanes, 16 vector registers (RW * RX accumulators + RX + 1 in use).
+    // ---- AVX2 + FMA (+ F16C): 8 lanes, 16 vector registers (RW * RX accumulators + RX + 1 in use).
 
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn zero256() -> __m256 {
         _mm256_setzero_ps()
     }
@@ -443,7 +483,7 @@ mod x86 {
     /// # Safety
     /// `p` points to 8 readable f32.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load256(p: *const f32) -> __m256 {
         // SAFETY: as the caller promises; unaligned loads are allowed.
         unsafe { _mm256_loadu_ps(p) }
@@ -453,29 +493,39 @@ mod x86 {
     /// # Safety
     /// `p` points to 8 readable u16.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn widen256(p: *const u16) -> __m256 {
         // SAFETY: as the caller promises; unaligned loads are allowed.
         let bits = unsafe { _mm_loadu_si128(p.cast::<__m128i>()) };
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16))
     }
 
+    /// 8 f16 -> 8 f32 (`vcvtph2ps`, exact).
+    /// # Safety
+    /// `p` points to 8 readable u16.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen256_f16(p: *const u16) -> __m256 {
+        // SAFETY: as the caller promises; unaligned loads are allowed.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast::<__m128i>()) })
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn fma256(a: __m256, b: __m256, c: __m256) -> __m256 {
         _mm256_fmadd_ps(a, b, c)
     }
 
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn hsum256(v: __m256) -> f32 {
         let sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
         _mm_cvtss_f32(_mm_add_ss(sum, _mm_shuffle_ps(sum, sum, 1)))
     }
 
-    tile_fn!(tile256, "avx2,fma", 8, zero256, load256, widen256, fma256, hsum256);
-    widen_rows_fn!(widen_rows256, "avx2,fma", 8, widen256, _mm256_storeu_ps);
+    tile_fn!(tile256, "avx2,fma,f16c", 8, zero256, load256, widen256, widen256_f16, fma256, hsum256);
+    widen_rows_fn!(widen_rows256, "avx2,fma,f16c", 8, widen256, widen256_f16, _mm256_storeu_ps);
 
     impl Simd for Avx2 {
         const RX: usize = 3;
@@ -486,13 +536,13 @@ mod x86 {
         /// 1.03-1.33x less time at 4 rows and 0.91-1.22x at 8, where at 16 rows it took
         /// 1.06-1.11x more and at 32 1.2x more (Zen 2, 2 threads, alternating runs).
         const WIDEN_ONCE_FROM: usize = 9;
-        unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
+        unsafe fn tile(elem: u8, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { dispatch!(tile256, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3]) }
+            unsafe { dispatch!(tile256, elem, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3]) }
         }
-        unsafe fn widen_rows(bits: &[u16], out: &mut [f32]) {
+        unsafe fn widen_rows(half: Half, bits: &[u16], out: &mut [f32]) {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { widen_rows256(bits, out) }
+            unsafe { widen_rows256(half, bits, out) }
         }
     }
 
@@ -524,6 +574,16 @@ mod x86 {
         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16))
     }
 
+    /// 16 f16 -> 16 f32 (`vcvtph2ps`, exact).
+    /// # Safety
+    /// `p` points to 16 readable u16.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn widen512_f16(p: *const u16) -> __m512 {
+        // SAFETY: as the caller promises; unaligned loads are allowed.
+        _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p.cast::<__m256i>()) })
+    }
+
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn fma512(a: __m512, b: __m512, c: __m512) -> __m512 {
@@ -536,8 +596,8 @@ mod x86 {
         _mm512_reduce_add_ps(v)
     }
 
-    tile_fn!(tile512, "avx512f", 16, zero512, load512, widen512, fma512, hsum512);
-    widen_rows_fn!(widen_rows512, "avx512f", 16, widen512, _mm512_storeu_ps);
+    tile_fn!(tile512, "avx512f", 16, zero512, load512, widen512, widen512_f16, fma512, hsum512);
+    widen_rows_fn!(widen_rows512, "avx512f", 16, widen512, widen512_f16, _mm512_storeu_ps);
 
     impl Simd for Avx512 {
         /// 24 accumulators, six x vectors and a weight vector: 31 of the 32 registers. Against
@@ -549,13 +609,13 @@ mod x86 {
         /// in one process, three runs): the scratch pass waited on the weights from memory
         /// with nothing to overlap, where the tiles' loads overlap their arithmetic.
         const WIDEN_ONCE_FROM: usize = usize::MAX;
-        unsafe fn tile(bf16: bool, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
+        unsafe fn tile(elem: u8, ahead: Ahead, rw: usize, rx: usize, w: *const u8, x: *const f32, k: usize, out: *mut f32, out_stride: usize) {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { dispatch!(tile512, bf16, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3, 4, 5, 6]) }
+            unsafe { dispatch!(tile512, elem, rw, rx, (ahead, w, x, k, out, out_stride), [1, 2, 3, 4, 5, 6]) }
         }
-        unsafe fn widen_rows(bits: &[u16], out: &mut [f32]) {
+        unsafe fn widen_rows(half: Half, bits: &[u16], out: &mut [f32]) {
             // SAFETY: forwarded from the caller's contract.
-            unsafe { widen_rows512(bits, out) }
+            unsafe { widen_rows512(half, bits, out) }
         }
     }
 
@@ -563,7 +623,7 @@ mod x86 {
     /// into their columns of `out`, group-major: each group of `RW` weight rows against all the
     /// x rows, in even passes of at most `S::RX` ([`pass_rows`]). From
     /// [`super::PASS_MAJOR_ROWS`] x rows on, the passes go outside instead ([`block_by_pass`]).
-    /// The tiles read f32 weights in place. bf16 weights are read in place too when there are
+    /// The tiles read f32 weights in place. bf16 and f16 weights are read in place too when there are
     /// at most `S::RX` x rows (one tile column: each weight vector is widened once anyway) or
     /// fewer than the path's [`Simd::WIDEN_ONCE_FROM`] (the tiles widen in registers on every
     /// pass); otherwise each group of `RW` weight rows is widened once, a vector at a time
@@ -581,19 +641,19 @@ mod x86 {
             // SAFETY: this function's contract is block_by_pass's.
             return unsafe { block_by_pass::<S>(out, first, w, x, m, k) };
         }
-        let widen_once = matches!(w, Rows::Bf16(_)) && m >= S::WIDEN_ONCE_FROM.max(S::RX + 1);
+        let widen_once = matches!(w, Rows::Half(..)) && m >= S::WIDEN_ONCE_FROM.max(S::RX + 1);
         let mut scratch = if widen_once { vec![0f32; RW * k] } else { Vec::new() };
         let mut j = 0;
         while j < rows {
             let rw = if rows - j >= RW { RW } else { 1 };
-            let (bf16, tile_w) = match w {
-                Rows::Bf16(bits) if widen_once => {
+            let (elem, tile_w) = match w {
+                Rows::Half(half, bits) if widen_once => {
                     // SAFETY: the CPU has S's features (this function's contract).
-                    unsafe { S::widen_rows(&bits[j * k..(j + rw) * k], &mut scratch) };
-                    (false, scratch.as_ptr().cast::<u8>())
+                    unsafe { S::widen_rows(half, &bits[j * k..(j + rw) * k], &mut scratch) };
+                    (F32, scratch.as_ptr().cast::<u8>())
                 }
-                Rows::Bf16(bits) => (true, bits[j * k..].as_ptr().cast::<u8>()),
-                Rows::F32(values) => (false, values[j * k..].as_ptr().cast::<u8>()),
+                Rows::Half(half, bits) => (half.code(), bits[j * k..].as_ptr().cast::<u8>()),
+                Rows::F32(values) => (F32, values[j * k..].as_ptr().cast::<u8>()),
             };
             // While this tile runs, the next RW weight rows (as stored: rows are contiguous)
             // come in, a share per pass over the x rows, so that fetching them overlaps all
@@ -602,7 +662,7 @@ mod x86 {
             let next_rows = RW.min(rows - j - rw);
             let next = match w {
                 Rows::F32(values) => Ahead { start: values[(j + rw) * k..].as_ptr().cast(), len: 4 * next_rows * k },
-                Rows::Bf16(bits) => Ahead { start: bits[(j + rw) * k..].as_ptr().cast(), len: 2 * next_rows * k },
+                Rows::Half(_, bits) => Ahead { start: bits[(j + rw) * k..].as_ptr().cast(), len: 2 * next_rows * k },
             };
             let passes = m.div_ceil(S::RX);
             let share = next.len.div_ceil(passes).next_multiple_of(64);
@@ -610,14 +670,14 @@ mod x86 {
             for pass in 0..passes {
                 let rx = pass_rows(m, passes, pass);
                 let ahead = Ahead { start: next.start.wrapping_add(pass * share), len: share.min(next.len.saturating_sub(pass * share)) };
-                // SAFETY: tile_w holds rw rows of k weights (bf16 bits when `bf16`, else f32:
+                // SAFETY: tile_w holds rw rows of k weights (of format `elem`:
                 // the task's rows j.. or their widened copy), x[i * k..] holds rx more rows of
                 // k, and the tile writes elements (i + c, first + j + r), c < rx, r < rw, of
                 // the [m, n] output, which are this task's (this function's contract); the CPU
                 // has S's features.
                 unsafe {
                     let dst = out.at(first, i, j);
-                    S::tile(bf16, ahead, rw, rx, tile_w, x[i * k..].as_ptr(), k, dst, out.n());
+                    S::tile(elem, ahead, rw, rx, tile_w, x[i * k..].as_ptr(), k, dst, out.n());
                 }
                 i += rx;
             }
@@ -633,7 +693,7 @@ mod x86 {
     }
 
     thread_local! {
-        /// A task's weight rows widened to f32 (bf16 weights against many x rows): 64 rows of
+        /// A task's weight rows widened to f32 (16-bit weights against many x rows): 64 rows of
         /// the largest k a pool thread has met (192 KiB at k = 768, 2.2 MiB at k = 8,960), kept
         /// for the thread's life rather than allocated per product.
         static WIDENED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
@@ -642,7 +702,7 @@ mod x86 {
     /// [`block`] for many x rows, pass-major: each pass of up to `S::RX` x rows (in L1) goes over
     /// all of the task's weight rows (in L2 after the first pass), instead of every group of `RW`
     /// weight rows going over all the x rows (which, at hundreds of rows, streamed x from L3
-    /// once per group). bf16 weights are widened once for the whole task. The additions of each
+    /// once per group). 16-bit weights are widened once for the whole task. The additions of each
     /// element are the same, in the same order, as in [`block`]'s tiles.
     ///
     /// # Safety
@@ -652,14 +712,14 @@ mod x86 {
         let mut widened = WIDENED.take();
         let weights: *const f32 = match w {
             Rows::F32(values) => values.as_ptr(),
-            Rows::Bf16(bits) => {
+            Rows::Half(half, bits) => {
                 // It only grows (to the largest task's rows): resized to each product's size,
                 // it would be zero-filled again whenever k changed from one product to the next.
                 if widened.len() < rows * k {
                     widened.resize(rows * k, 0.0);
                 }
                 // SAFETY: the CPU has S's features (this function's contract).
-                unsafe { S::widen_rows(bits, &mut widened[..rows * k]) };
+                unsafe { S::widen_rows(half, bits, &mut widened[..rows * k]) };
                 widened.as_ptr()
             }
         };
@@ -683,7 +743,7 @@ mod x86 {
                 // contract); the CPU has S's features.
                 unsafe {
                     let dst = out.at(first, i, j);
-                    S::tile(false, ahead, rw, rx, weights.add(j * k).cast(), x[i * k..].as_ptr(), k, dst, out.n());
+                    S::tile(F32, ahead, rw, rx, weights.add(j * k).cast(), x[i * k..].as_ptr(), k, dst, out.n());
                 }
                 j += rw;
             }
@@ -759,18 +819,20 @@ mod tests {
         [(1, 1), (7, 3), (16, 5), (17, 4), (31, 67), (64, 64), (100, 37), (257, 130), (768, 129)];
 
     #[test]
-    fn bf16_weights_match_the_reference_on_every_path_this_cpu_has() {
+    fn bf16_and_f16_weights_match_the_reference_on_every_path_this_cpu_has() {
         let mut ran = Vec::new();
         for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
-            for m in (1..=8).chain([9, 13, 33, 50, 64]) {
-                for (k, n) in SHAPES {
-                    check(isa, DType::BF16, m, k, n);
+            for dtype in [DType::BF16, DType::F16] {
+                for m in (1..=8).chain([9, 13, 33, 50, 64]) {
+                    for (k, n) in SHAPES {
+                        check(isa, dtype, m, k, n);
+                    }
                 }
             }
             ran.push(isa);
         }
         assert!(ran.contains(&Isa::Portable));
-        eprintln!("bf16 kernel paths tested: {ran:?} (selected: {:?})", Isa::selected());
+        eprintln!("bf16 and f16 kernel paths tested: {ran:?} (selected: {:?})", Isa::selected());
     }
 
     #[test]
@@ -784,23 +846,26 @@ mod tests {
         }
     }
 
-    /// Widening a run of bf16 weights a vector at a time gives the scalar widening's bits, on
-    /// every path this CPU has, for runs on and off whole vectors (every bit pattern of a u16
-    /// sampled, NaNs and infinities included).
+    /// Widening a run of bf16 or f16 weights a vector at a time gives the scalar widening's
+    /// values, on every path this CPU has, for runs on and off whole vectors (bit patterns of a
+    /// u16 sampled across the range, subnormals and infinities included; a NaN stays a NaN).
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn widening_bf16_rows_is_exact_on_every_path_this_cpu_has() {
+    fn widening_half_rows_is_exact_on_every_path_this_cpu_has() {
         use x86::Simd;
         let bits: Vec<u16> = (0..4099u32).map(|i| (i.wrapping_mul(40503) >> 3) as u16).collect();
-        let want: Vec<u32> = bits.iter().map(|&b| widen(b).to_bits()).collect();
-        let paths: [(Isa, unsafe fn(&[u16], &mut [f32])); 2] = [(Isa::Avx2, x86::Avx2::widen_rows), (Isa::Avx512, x86::Avx512::widen_rows)];
+        let paths: [(Isa, unsafe fn(Half, &[u16], &mut [f32])); 2] = [(Isa::Avx2, x86::Avx2::widen_rows), (Isa::Avx512, x86::Avx512::widen_rows)];
         for (isa, widen_rows) in paths.into_iter().filter(|(isa, _)| isa.available()) {
-            for len in [0, 1, 7, 8, 15, 16, 17, 33, 4099] {
-                let mut out = vec![0f32; len];
-                // SAFETY: the CPU has the path (filtered above).
-                unsafe { widen_rows(&bits[..len], &mut out) };
-                let got: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, want[..len], "{isa:?}, {len} values");
+            for half in [Half::Bf16, Half::F16] {
+                let want: Vec<f32> = bits.iter().map(|&b| widen(half, b)).collect();
+                for len in [0, 1, 7, 8, 15, 16, 17, 33, 4099] {
+                    let mut out = vec![0f32; len];
+                    // SAFETY: the CPU has the path (filtered above).
+                    unsafe { widen_rows(half, &bits[..len], &mut out) };
+                    for (i, (g, w)) in out.iter().zip(&want[..len]).enumerate() {
+                        assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()), "{isa:?} {half:?} value {i}: {g} vs {w}");
+                    }
+                }
             }
         }
     }
@@ -857,9 +922,10 @@ mod tests {
         // bf16 activations: the model computes in bf16, candle handles it.
         let x = Tensor::zeros((1, 4), DType::BF16, &Device::Cpu).unwrap();
         assert!(matmul_transposed(&x, &w.to_dtype(DType::BF16).unwrap()).unwrap().is_none());
-        // f16 weights have no kernel.
+        // f64 weights have no kernel (f16 ones do).
         let x = Tensor::zeros((1, 4), DType::F32, &Device::Cpu).unwrap();
-        assert!(matmul_transposed(&x, &w.to_dtype(DType::F16).unwrap()).unwrap().is_none());
+        assert!(matmul_transposed(&x, &w.to_dtype(DType::F64).unwrap()).unwrap().is_none());
+        assert!(matmul_transposed(&x, &w.to_dtype(DType::F16).unwrap()).unwrap().is_some());
         // A transposed (non-contiguous) weight.
         let w = Tensor::zeros((4, 6), DType::BF16, &Device::Cpu).unwrap().t().unwrap();
         assert!(matmul_transposed(&Tensor::zeros((1, 4), DType::F32, &Device::Cpu).unwrap(), &w).unwrap().is_none());

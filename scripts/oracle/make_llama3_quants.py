@@ -1,14 +1,14 @@
-"""IQ4_NL and IQ4_XS GGUFs of the llama3_a fixture, made by llama.cpp's quantizer, and their
+"""IQ4_NL, IQ4_XS and F16 GGUFs of the llama3_a fixture, made by llama.cpp's quantizer, and their
 references: transformers on the weights those files hold.
 
     python3 -m pip install torch transformers gguf accelerate
     CMAKE_ARGS="-DGGML_NATIVE=ON" python3 -m pip install llama-cpp-python==0.3.36   # builds llama.cpp
-    python3 scripts/oracle/make_iq4.py tests/fixtures
+    python3 scripts/oracle/make_llama3_quants.py tests/fixtures
 
 Reads llama3_gguf/llama3_a.f32.gguf (scripts/oracle/make_gguf.py) and writes into llama3_gguf/:
-llama3_a.iq4_nl.gguf and llama3_a.iq4_xs.gguf (llama_model_quantize, one thread; llama.cpp keeps
-IQ4_XS for the rows of 256 values, the ffn_down matrices, and IQ4_NL for the 128-wide ones), and
-for each a `.expected.json`: the prompts of llama3_a/expected.json run by transformers (float32,
+llama3_a.iq4_nl.gguf, llama3_a.iq4_xs.gguf and llama3_a.f16.gguf (llama_model_quantize, one
+thread; llama.cpp keeps IQ4_XS for the rows of 256 values, the ffn_down matrices, and IQ4_NL for
+the 128-wide ones; the F16 file rounds every matrix to f16), and for each a `.expected.json`: the prompts of llama3_a/expected.json run by transformers (float32,
 eager attention, 16 greedy tokens with EOS ignored, an all-ones attention mask, as
 make_oracle.py runs them) on llama3_a's checkpoint with every weight replaced by the GGUF's,
 dequantized by gguf-py (llama.cpp's own Python reader). transformers' GGUF loader does that
@@ -26,7 +26,8 @@ fixtures = sys.argv[1]
 gguf_dir = os.path.join(fixtures, "llama3_gguf")
 source = os.path.join(fixtures, "llama3_a")
 expected = json.load(open(os.path.join(source, "expected.json")))
-FTYPES = {"iq4_nl": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL, "iq4_xs": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS}
+FTYPES = {"iq4_nl": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL, "iq4_xs": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS,
+          "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}
 MAX_NEW = 16
 
 
@@ -70,7 +71,7 @@ for name, ftype in FTYPES.items():
             "greedy_step_top2_margin": [round(float(v), 6) for v in top2[:, 0] - top2[:, 1]],
         })
     json.dump({
-        "made_by": "scripts/oracle/make_iq4.py",
+        "made_by": "scripts/oracle/make_llama3_quants.py",
         "gguf": os.path.basename(out),
         "gguf_sha256": sha256(out),
         "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
