@@ -19,8 +19,9 @@
 # The checkpoint has random weights (transformers' initialization, bf16; speed does not depend
 # on the values, except which experts a token picks) and the real Qwen3 tokenizer
 # (tests/fixtures/qwen3_chat). llama.cpp's own converter makes the Q8_0 file, and its quantizer
-# the Q4_0, Q4_K_M and IQ4_XS files from it (allow_requantize; Q4_K_M keeps some tensors in Q6_K;
-# tpserve holds IQ4_XS as Q8_0 blocks, twice the file's bytes for those tensors).
+# the Q4_0, Q4_K_M, IQ4_XS and F16 files from it (allow_requantize; Q4_K_M keeps some tensors in
+# Q6_K; tpserve holds IQ4_XS as Q8_0 blocks, twice the file's bytes for those tensors; the F16
+# file, the Q8_0 values in f16, stands in for a model converted to f16, dense only).
 # Needs a release build, a Python with torch, transformers, sentencepiece and llama-cpp-python
 # (CMAKE_ARGS="-DGGML_NATIVE=ON"), and llama.cpp's converter, LLAMA_CPP_DIR (the
 # vendor/llama.cpp of the llama-cpp-python sdist; see scripts/oracle/make_gguf.py). The files
@@ -40,6 +41,7 @@ case "$SHAPE" in
   *) echo "SHAPE must be dense or moe" >&2; exit 2 ;;
 esac
 FORMATS=(Q8_0 Q4_0 Q4_K_M IQ4_XS)
+[ "$SHAPE" = moe ] || FORMATS+=(F16)
 mkdir -p "$WORK"
 if [ ! -f "$WORK/$NAME.Q8_0.gguf" ]; then
   "$PYTHON" - "$WORK/$NAME" tests/fixtures/qwen3_chat "$SHAPE" <<'EOF'
@@ -71,9 +73,11 @@ EOF
   "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/$NAME.Q8_0.gguf" "$WORK/$NAME.Q4_K_M.gguf" q4_k >/dev/null 2>&1
   rm -rf "$WORK/$NAME"
 fi
-if [ ! -f "$WORK/$NAME.IQ4_XS.gguf" ]; then # made when missing: added after the others
-  "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/$NAME.Q8_0.gguf" "$WORK/$NAME.IQ4_XS.gguf" iq4_xs >/dev/null 2>&1
-fi
+for fmt in "${FORMATS[@]}"; do # made when missing: the formats added after the others
+  if [ ! -f "$WORK/$NAME.$fmt.gguf" ]; then
+    "$PYTHON" scripts/bench_llamacpp.py requantize "$WORK/$NAME.Q8_0.gguf" "$WORK/$NAME.$fmt.gguf" "${fmt,,}" >/dev/null 2>&1
+  fi
+done
 tmp=$(mktemp -d)
 servers=()
 cleanup() { for pid in "${servers[@]}"; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done; rm -rf "$tmp"; }

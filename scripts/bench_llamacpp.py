@@ -2,7 +2,7 @@
 
     python bench_llamacpp.py decode MODEL.gguf PROMPT.json NEW THREADS   -> JSON on stdout
         (decode and prompt tokens/s, the seconds Llama() took to open the model, the greedy ids)
-    python bench_llamacpp.py requantize IN.gguf OUT.gguf q8_0|q4_0|q4_k|q6_k|iq4_xs  (llama_model_quantize)
+    python bench_llamacpp.py requantize IN.gguf OUT.gguf q8_0|q4_0|q4_k|q6_k|iq4_xs|f16  (llama_model_quantize)
     python bench_llamacpp.py reference MODEL.gguf EXPECTED.json NEW > OUT.json
         llama.cpp's greedy ids for each prompt of a fixture's expected.json (the reference
         tests/fixtures/smollm2_135m/llamacpp_greedy.json was made this way)
@@ -67,7 +67,7 @@ def requantize(src, dst, kind):
 
     ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
              "q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
-             "iq4_xs": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS}[kind]
+             "iq4_xs": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}[kind]
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = True
