@@ -10,7 +10,8 @@
 //!   (136 bytes): eight sub-blocks of 32, sub-block i scaled by `d * (ls_i - 32)` with a 6-bit
 //!   `ls_i` (low 4 bits in `scales_l`, high 2 in `scales_h`), its values as IQ4_NL's. As Q8_0 each
 //!   sub-block keeps its levels and takes that scale rounded to f16: every value within a
-//!   relative 2^-11 of its IQ4_XS value (the rounding of one f16 product).
+//!   relative 2^-11 of its IQ4_XS value (the rounding of one f16 product) where that scale is a
+//!   normal f16 (at least 6.1e-5; a smaller one is rounded to f16's subnormal step of 6e-8).
 
 use half::f16;
 use rayon::prelude::*;
