@@ -179,7 +179,11 @@ impl GgufFile {
                 info.stored.name()
             )
         };
-        let size = info.dims.iter().product::<usize>() / block * block_bytes;
+        // Checked: a corrupt header may declare dimensions whose product overflows.
+        let elements = info.dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let Some(size) = elements.and_then(|n| (n / block).checked_mul(block_bytes)) else {
+            bail!("tensor \"{gguf}\" declares dimensions {:?}, too large to address", info.dims)
+        };
         let start = self.header.data_offset.saturating_add(info.offset);
         usize::try_from(start)
             .ok()
@@ -453,7 +457,7 @@ fn unpermuted_row_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
 /// The weights of a GGUF file, read from a memory map: block slices straight from the mapped
 /// bytes, dense tensors dequantized one at a time on request.
 pub struct GgufWeights {
-    header: GgufFile,
+    file: GgufFile,
     config: ModelConfig,
     /// our name -> GGUF name
     names: HashMap<String, String>,
@@ -464,18 +468,18 @@ pub struct GgufWeights {
 
 impl GgufWeights {
     pub fn open(path: &Path) -> Result<Self> {
-        let header = GgufFile::open(path)?;
-        let config = header.model_config()?;
-        let permutes = header.architecture()?.permutes_qk();
-        let total_bytes = header.map.len() as u64;
-        let names = header
+        let file = GgufFile::open(path)?;
+        let config = file.model_config()?;
+        let permutes = file.architecture()?.permutes_qk();
+        let total_bytes = file.map.len() as u64;
+        let names = file
             .header
             .tensors
             .keys()
             .filter_map(|gguf| hf_name(gguf).map(|ours| (ours, gguf.clone())))
             .collect();
         Ok(Self {
-            header,
+            file,
             names,
             permuted_qk: permutes.then_some((config.num_attention_heads, config.num_key_value_heads)),
             config,
@@ -515,20 +519,20 @@ impl GgufWeights {
         self.names
             .get(name)
             .map(String::as_str)
-            .with_context(|| format!("tensor \"{name}\" is missing from {}", self.header.path.display()))
+            .with_context(|| format!("tensor \"{name}\" is missing from {}", self.file.path.display()))
     }
 
     /// The shape of `name` in row-major (Hugging Face) order.
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
         let gguf = self.gguf_name(name)?;
-        let info = self.header.info(gguf)?;
+        let info = self.file.info(gguf)?;
         Ok(info.dims.clone())
     }
 
     /// The dtype `name` holds its values in, as a dense tensor: f32, f16 or bf16 as stored; f32
     /// for the block formats, which are dequantized to f32 when read dense.
     pub fn stored_dtype(&self, name: &str) -> Result<candle_core::DType> {
-        Ok(match self.header.info(self.gguf_name(name)?)?.stored {
+        Ok(match self.file.info(self.gguf_name(name)?)?.stored {
             Stored::Ggml(GgmlDType::F16) => candle_core::DType::F16,
             Stored::Ggml(GgmlDType::BF16) => candle_core::DType::BF16,
             _ => candle_core::DType::F32,
@@ -578,7 +582,7 @@ impl GgufWeights {
         f: impl FnOnce(&str, GgmlDType, &[u8]) -> Result<T>,
     ) -> Result<Option<T>> {
         let gguf = self.gguf_name(name)?;
-        let info = self.header.info(gguf)?;
+        let info = self.file.info(gguf)?;
         let dtype = match info.stored {
             Stored::Ggml(dtype) if super::quant::formats::supported(dtype) => dtype,
             Stored::Iq4(_) => GgmlDType::Q8_0,
@@ -587,8 +591,8 @@ impl GgufWeights {
         if info.dims != expected_shape {
             bail!("tensor \"{name}\" has shape {:?} but the model config implies {expected_shape:?}", info.dims);
         }
-        let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
-        let bytes = self.header.raw(gguf, info).with_context(context)?;
+        let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.file.path.display());
+        let bytes = self.file.raw(gguf, info).with_context(context)?;
         match info.stored {
             Stored::Iq4(kind) => f(gguf, dtype, &iq4_as_q8_0(kind, bytes)).with_context(context).map(Some),
             _ => f(gguf, dtype, bytes).with_context(context).map(Some),
@@ -598,9 +602,9 @@ impl GgufWeights {
     /// The whole tensor in f32 on the CPU, with q/k rows in Hugging Face order.
     pub fn dequantize(&self, name: &str) -> Result<Tensor> {
         let gguf = self.gguf_name(name)?;
-        let info = self.header.info(gguf)?;
-        let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.header.path.display());
-        let bytes = self.header.raw(gguf, info).with_context(context)?;
+        let info = self.file.info(gguf)?;
+        let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.file.path.display());
+        let bytes = self.file.raw(gguf, info).with_context(context)?;
         let dims = info.dims.clone();
         let tensor = match info.stored {
             Stored::Iq4(kind) => {

@@ -78,7 +78,7 @@ fn linear(x: &Tensor, weight: &Weight, bias: Option<&Tensor>) -> Result<Tensor> 
 }
 
 /// `x @ weight.T`: the CPU kernel where it applies, else candle (after converting a weight held
-/// in another dtype, which the CPU kernel makes rare: it takes bf16 weights at any row count).
+/// in another dtype, which the CPU kernel makes rare: it takes bf16 and f16 weights at any row count).
 pub(crate) fn matmul_transposed(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     if let Some(y) = super::cpu_matmul::matmul_transposed(x, weight)? {
         return Ok(y);

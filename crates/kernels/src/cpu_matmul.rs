@@ -200,12 +200,16 @@ impl<'a> Rows<'a> {
     }
 }
 
+/// The 16-bit float types of `half`, each a `#[repr(transparent)]` wrapper of its u16 bits.
+trait Bits16 {}
+impl Bits16 for half::bf16 {}
+impl Bits16 for half::f16 {}
+
 /// The bit patterns of 16-bit floats.
-fn bits<T: Copy>(values: &[T]) -> &[u16] {
-    assert_eq!(std::mem::size_of::<T>(), 2);
-    // SAFETY: T (half::bf16 or half::f16) is a #[repr(transparent)] wrapper of u16, as the
-    // assertion checks in size: same size, alignment and validity, so the slice can be viewed
-    // as its bit patterns.
+fn bits<T: Bits16>(values: &[T]) -> &[u16] {
+    // SAFETY: T is half::bf16 or half::f16 (the only Bits16 types), #[repr(transparent)]
+    // wrappers of u16: same size, alignment and validity, so the slice can be viewed as its
+    // bit patterns.
     unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u16>(), values.len()) }
 }
 
