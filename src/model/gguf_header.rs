@@ -28,12 +28,10 @@ pub enum Stored {
 
 impl Stored {
     fn of(id: u32) -> Self {
-        const CANDLE: [u32; 15] = [0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 30];
         match id {
             20 => Stored::Iq4(Iq4::Nl),
             23 => Stored::Iq4(Iq4::Xs),
-            id if CANDLE.contains(&id) => Stored::Ggml(ggml(id)),
-            id => Stored::Other(id, other_name(id)),
+            id => ggml(id).map_or(Stored::Other(id, other_name(id)), Stored::Ggml),
         }
     }
 
@@ -55,9 +53,9 @@ impl Stored {
     }
 }
 
-/// The candle type of a GGML id it reads.
-fn ggml(id: u32) -> GgmlDType {
-    match id {
+/// The candle type of a GGML id, where candle reads it.
+fn ggml(id: u32) -> Option<GgmlDType> {
+    Some(match id {
         0 => GgmlDType::F32,
         1 => GgmlDType::F16,
         2 => GgmlDType::Q4_0,
@@ -72,8 +70,9 @@ fn ggml(id: u32) -> GgmlDType {
         13 => GgmlDType::Q5K,
         14 => GgmlDType::Q6K,
         15 => GgmlDType::Q8K,
-        _ => GgmlDType::BF16,
-    }
+        30 => GgmlDType::BF16,
+        _ => return None,
+    })
 }
 
 /// ggml's name of a type id tpserve does not read (for the message that refuses it).
