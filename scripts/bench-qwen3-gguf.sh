@@ -20,7 +20,7 @@
 # on the values, except which experts a token picks) and the real Qwen3 tokenizer
 # (tests/fixtures/qwen3_chat). llama.cpp's own converter makes the Q8_0 file, and its quantizer
 # the Q4_0, Q4_K_M, IQ4_XS and F16 files from it (allow_requantize; Q4_K_M keeps some tensors in
-# Q6_K; tpserve holds IQ4_XS as Q8_0 blocks, twice the file's bytes for those tensors; the F16
+# Q6_K; tpserve holds IQ4_XS as IQ4_NL blocks, 18 bytes per 32 values against the file's 17; the F16
 # file, the Q8_0 values in f16, stands in for a model converted to f16, dense only).
 # Needs a release build, a Python with torch, transformers, sentencepiece and llama-cpp-python
 # (CMAKE_ARGS="-DGGML_NATIVE=ON"), and llama.cpp's converter, LLAMA_CPP_DIR (the
@@ -122,7 +122,7 @@ for fmt in "${FORMATS[@]}"; do
   gguf=$WORK/$NAME.$fmt.gguf
   mb=$(( $(stat -c %s "$gguf") / 1000000 ))
   # Every tensor once, but of the stacked experts (ffn_*_exps) only the share a token uses; then
-  # the same for the blocks tpserve holds (IQ4 tensors as Q8_0: 34 bytes per 32 values).
+  # the same for the blocks tpserve holds (IQ4_XS tensors as IQ4_NL: 18 bytes per 32 values).
   read "read_mb" "held_mb" < <("$PYTHON" - "$gguf" <<'EOF'
 import os, sys
 sys.path.insert(0, os.path.join(os.environ["LLAMA_CPP_DIR"], "gguf-py"))
@@ -132,7 +132,7 @@ arch = reader.fields["general.architecture"].contents()
 field = lambda key: reader.fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in reader.fields else None
 used = (field("expert_used_count") or 1) / (field("expert_count") or 1)
 share = lambda t: used if "_exps" in t.name else 1
-held = lambda t: t.n_elements * 34 / 32 if t.tensor_type.name in ("IQ4_NL", "IQ4_XS") else t.n_bytes
+held = lambda t: t.n_elements * 18 / 32 if t.tensor_type.name == "IQ4_XS" else t.n_bytes
 print(round(sum(t.n_bytes * share(t) for t in reader.tensors) / 1e6), round(sum(held(t) * share(t) for t in reader.tensors) / 1e6))
 EOF
 )

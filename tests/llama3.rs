@@ -165,7 +165,7 @@ fn f32_file_matches_transformers_at_tp1_and_tp2() {
 /// at TP 2 against TP 1 (activations are quantized per rank slice, so not bit-identical).
 #[test]
 fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
-    common::assert_q8_0_gguf_close_to_its_f32_path("llama3_a", &gguf("llama3_a.q8_0.gguf"), &prompts(), EOS, 0.05);
+    common::assert_quantized_gguf_close_to_its_f32_path("llama3_a", &gguf("llama3_a.q8_0.gguf"), "q8_0", &prompts(), EOS, 0.05);
 }
 
 /// llama.cpp's IQ4_NL and IQ4_XS files of the same checkpoint (types candle does not read) and
@@ -184,13 +184,14 @@ fn iq4_and_f16_files_dequantized_match_transformers_on_their_weights() {
     }
 }
 
-/// The IQ4 files kept quantized (`--dtype auto`) are held as Q8_0 blocks (IQ4_NL's values
-/// exactly, IQ4_XS's scales rounded to f16): close to the dequantized path as a Q8_0 file is, at
-/// TP 1 and 2.
+/// The IQ4 files kept quantized (`--dtype auto`) are held as IQ4_NL blocks (IQ4_NL's as they
+/// are, IQ4_XS's with their scales rounded to f16): close to the dequantized path as a Q8_0 file
+/// is, at TP 1 and 2.
 #[test]
-fn iq4_files_stay_quantized_as_q8_0_and_close_to_their_f32_path() {
+fn iq4_files_stay_quantized_as_iq4_nl_and_close_to_their_f32_path() {
     for kind in ["iq4_nl", "iq4_xs"] {
-        common::assert_q8_0_gguf_close_to_its_f32_path(&format!("llama3_a {kind}"), &gguf(&format!("llama3_a.{kind}.gguf")), &prompts(), EOS, 0.05);
+        let path = gguf(&format!("llama3_a.{kind}.gguf"));
+        common::assert_quantized_gguf_close_to_its_f32_path(&format!("llama3_a {kind}"), &path, "iq4_nl", &prompts(), EOS, 0.05);
     }
 }
 

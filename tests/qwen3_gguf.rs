@@ -105,7 +105,7 @@ fn bf16_file_stays_bf16_and_matches_transformers() {
 #[test]
 fn q8_0_file_stays_in_blocks_and_close_to_its_f32_path() {
     // Activations are quantized per rank slice at TP 2, so not bit-identical.
-    common::assert_q8_0_gguf_close_to_its_f32_path("qwen3_a", &gguf("qwen3_a.q8_0.gguf"), &prompts("qwen3_a"), EOS, 0.05);
+    common::assert_quantized_gguf_close_to_its_f32_path("qwen3_a", &gguf("qwen3_a.q8_0.gguf"), "q8_0", &prompts("qwen3_a"), EOS, 0.05);
 }
 
 /// Qwen3 MoE files (architecture "qwen3moe", each layer's experts stacked per projection) of
@@ -128,7 +128,7 @@ fn qwen3_moe_files_match_transformers_and_stay_in_blocks() {
     // so it holds them in f32 (and logs it) where TP 1 holds Q8_0: the two differ by Q8_0's
     // error on those matrices (0.05-0.21 here), not by float noise. The logits' standard
     // deviation is about 1, so a wrong slice misses by far more.
-    common::assert_q8_0_gguf_close_to_its_f32_path("qwen3_moe_b", &gguf("qwen3_moe_b.q8_0.gguf"), &prompts, EOS, 0.5);
+    common::assert_quantized_gguf_close_to_its_f32_path("qwen3_moe_b", &gguf("qwen3_moe_b.q8_0.gguf"), "q8_0", &prompts, EOS, 0.5);
 }
 
 /// `tpserve serve --model qwen3_a.q8_0.gguf --tp 2` and `tpserve chat`: the coordinator takes

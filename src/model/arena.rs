@@ -124,10 +124,9 @@ fn zeroed<T: WithDType>(n: usize) -> Result<Vec<T>> {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::quantized::GgmlDType;
 
     use super::*;
-    use crate::model::quant::formats::quantize_matrix;
+    use crate::model::quant::formats::{Format, quantize_matrix};
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n).map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32 / (1u32 << 24) as f32 - 0.5).collect()
@@ -180,7 +179,7 @@ mod tests {
     #[test]
     fn quantized_products_are_unchanged_and_shared_blocks_stay() -> Result<()> {
         let (rows, cols) = (40, 64);
-        let quantized = |seed: u32| Weight::from_sliced(quantize_matrix(GgmlDType::Q8_0, rows, cols, values(rows * cols, seed)), &Device::Cpu);
+        let quantized = |seed: u32| Weight::from_sliced(quantize_matrix(Format::Q8_0, rows, cols, values(rows * cols, seed)), &Device::Cpu);
         let (mut a, mut b) = (quantized(1)?, quantized(2)?);
         let mut shared = quantized(3)?;
         let other_holder = shared.clone(); // as a tied embedding and LM head share their blocks

@@ -16,9 +16,10 @@
 //! frequency; it becomes the config's [`RopeScaling::Divisors`].
 //!
 //! Tensors in IQ4_NL or IQ4_XS (types candle does not read) are read by
-//! `tpserve_kernels::quant::iq4`: dequantized for the dense path, held as Q8_0 blocks by the
-//! quantized one.
+//! `tpserve_kernels::quant::iq4`: dequantized for the dense path, held as IQ4_NL blocks by the
+//! quantized one (IQ4_XS's 32-value scales rounded to f16).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -31,6 +32,7 @@ use tpserve_kernels::quant::iq4::{self, Iq4};
 
 use super::config::{ModelConfig, RopeScaling};
 use super::gguf_header::{Header, Stored, TensorInfo};
+use super::quant::Format;
 
 /// llama.cpp's token types (`llama_token_type`) that name special tokens.
 pub const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -579,24 +581,26 @@ impl GgufWeights {
         &self,
         name: &str,
         expected_shape: &[usize],
-        f: impl FnOnce(&str, GgmlDType, &[u8]) -> Result<T>,
+        f: impl FnOnce(&str, Format, &[u8]) -> Result<T>,
     ) -> Result<Option<T>> {
         let gguf = self.gguf_name(name)?;
         let info = self.file.info(gguf)?;
-        let dtype = match info.stored {
-            Stored::Ggml(dtype) if super::quant::formats::supported(dtype) => dtype,
-            Stored::Iq4(_) => GgmlDType::Q8_0,
-            _ => return Ok(None),
+        let format = match info.stored {
+            Stored::Ggml(dtype) => Format::of_ggml(dtype),
+            Stored::Iq4(_) => Some(Format::Iq4Nl),
+            Stored::Other(..) => None,
         };
+        let Some(format) = format else { return Ok(None) };
         if info.dims != expected_shape {
             bail!("tensor \"{name}\" has shape {:?} but the model config implies {expected_shape:?}", info.dims);
         }
         let context = || format!("cannot read GGUF tensor \"{gguf}\" (\"{name}\") from {}", self.file.path.display());
         let bytes = self.file.raw(gguf, info).with_context(context)?;
-        match info.stored {
-            Stored::Iq4(kind) => f(gguf, dtype, &iq4_as_q8_0(kind, bytes)).with_context(context).map(Some),
-            _ => f(gguf, dtype, bytes).with_context(context).map(Some),
-        }
+        let (format, blocks) = match info.stored {
+            Stored::Iq4(Iq4::Xs) => iq4_xs_held(bytes),
+            _ => (format, Cow::Borrowed(bytes)),
+        };
+        f(gguf, format, &blocks).with_context(context).map(Some)
     }
 
     /// The whole tensor in f32 on the CPU, with q/k rows in Hugging Face order.
@@ -625,22 +629,21 @@ impl GgufWeights {
     }
 }
 
-/// IQ4 blocks as Q8_0 blocks for the integer kernels: IQ4_NL exactly; IQ4_XS with each
-/// 32-value scale rounded to f16, or, where one overflows f16, its values dequantized and
-/// quantized to Q8_0 (both logged once).
-fn iq4_as_q8_0(kind: Iq4, bytes: &[u8]) -> Vec<u8> {
-    if let Some(q8_0) = iq4::to_q8_0(kind, bytes) {
-        if kind == Iq4::Xs {
-            super::quant::formats::log_once("IQ4_XS tensors are held as Q8_0, each 32-value scale rounded to f16 (relative error at most 2^-11 above 6.1e-5)".into());
-        }
-        return q8_0;
+/// IQ4_XS blocks as the integer kernels hold them: IQ4_NL blocks, each 32-value scale rounded
+/// to f16; or, where one overflows f16, Q8_0 blocks of the dequantized values (both logged
+/// once).
+fn iq4_xs_held(bytes: &[u8]) -> (Format, Cow<'_, [u8]>) {
+    use super::quant::formats::log_once;
+    if let Some(nl) = iq4::xs_to_nl(bytes) {
+        log_once("IQ4_XS tensors are held as IQ4_NL, each 32-value scale rounded to f16 (relative error at most 2^-11 above 6.1e-5)".into());
+        return (Format::Iq4Nl, Cow::Owned(nl));
     }
-    super::quant::formats::log_once(format!("{} tensors with scales beyond f16 are dequantized and quantized to Q8_0", kind.name()));
-    let mut values = vec![0f32; bytes.len() / kind.type_size() * kind.block_size()];
-    iq4::dequantize(kind, bytes, &mut values);
+    log_once("IQ4_XS tensors with scales beyond f16 are dequantized and quantized to Q8_0".into());
+    let mut values = vec![0f32; bytes.len() / Iq4::Xs.type_size() * Iq4::Xs.block_size()];
+    iq4::dequantize(Iq4::Xs, bytes, &mut values);
     let mut q8_0 = Vec::new();
-    super::quant::formats::quantize_into(GgmlDType::Q8_0, &values, &mut q8_0);
-    q8_0
+    super::quant::formats::quantize_into(Format::Q8_0, &values, &mut q8_0);
+    (Format::Q8_0, Cow::Owned(q8_0))
 }
 
 #[cfg(test)]

@@ -40,7 +40,7 @@ impl LoadProgress {
             }
             Weight::Quant(q) => {
                 for s in &q.segments {
-                    *formats.entry(super::quant::formats::name(s.dtype).to_owned()).or_default() += s.resident_bytes() as u64;
+                    *formats.entry(s.format_name().to_owned()).or_default() += s.resident_bytes() as u64;
                 }
             }
         }

@@ -158,7 +158,7 @@ pub fn parse_matmul_precision(text: &str, dtype: Option<DType>, quant: QuantMode
             if let QuantMode::To(format) = quant {
                 return Err(format!(
                     "--matmul-precision bf16 is for bf16 weights; --quantize {} multiplies 8-bit activations",
-                    quant::formats::name(format)
+                    format.name()
                 ));
             }
             match dtype {
@@ -446,7 +446,7 @@ mod tests {
         // each refusal says what to do instead
         let f32_weights = parse_matmul_precision("bf16", Some(DType::F32), QuantMode::Off, &cpu).unwrap_err();
         assert!(f32_weights.contains("--dtype bf16"), "{f32_weights}");
-        let q8 = QuantMode::To(candle_core::quantized::GgmlDType::Q8_0);
+        let q8 = QuantMode::To(quant::Format::Q8_0);
         let quantized = parse_matmul_precision("bf16", Some(DType::F32), q8, &cpu).unwrap_err();
         assert!(quantized.contains("--quantize q8_0"), "{quantized}");
         let unknown = parse_matmul_precision("fp8", bf16, QuantMode::Off, &cpu).unwrap_err();

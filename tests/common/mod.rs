@@ -625,26 +625,27 @@ pub fn assert_serves_a_chat(model: &std::path::Path, tp: usize, format: &str) {
     assert!(log.contains(format), "the ranks' startup log names the format they hold:\n{log}");
 }
 
-/// A Q8_0 GGUF kept in its blocks (`--dtype auto`) against the same file dequantized (`--dtype
-/// f32`), `label` naming it: every matrix held in Q8_0, under a third of the bytes; teacher-forced
-/// over the f32 path's greedy ids after each of `prompts`, top-1 agreement on at least 80% of the
-/// steps and the largest logit difference under 2 (the bounds of tests/quant.rs for Q8_0 on the
-/// random fixtures, whose top-1 margins go down to 0.005: a wrong slice or kernel gives chance
-/// agreement and errors the size of the logits); and a TP 2 group, each rank reading its slice
-/// of the blocks, within `tp2_tolerance` of TP 1 in this process.
-pub fn assert_q8_0_gguf_close_to_its_f32_path(label: &str, path: &std::path::Path, prompts: &[Vec<u32>], eos: u32, tp2_tolerance: f32) {
+/// A quantized GGUF kept in blocks (`--dtype auto`) against the same file dequantized (`--dtype
+/// f32`), `label` naming it: every matrix held in blocks (`held`, the format the load summary
+/// names; no f32), under a third of the bytes; teacher-forced over the f32 path's greedy ids
+/// after each of `prompts`, top-1 agreement on at least 80% of the steps and the largest logit
+/// difference under 2 (the bounds of tests/quant.rs for Q8_0 on the random fixtures, whose
+/// top-1 margins go down to 0.005: a wrong slice or kernel gives chance agreement and errors
+/// the size of the logits); and a TP 2 group, each rank reading its slice of the blocks, within
+/// `tp2_tolerance` of TP 1 in this process.
+pub fn assert_quantized_gguf_close_to_its_f32_path(label: &str, path: &std::path::Path, held: &str, prompts: &[Vec<u32>], eos: u32, tp2_tolerance: f32) {
     let (reference, _) = load_tp1(path, "f32");
     let (quantized, progress) = load_tp1(path, "auto");
     let summary = progress.format_summary();
     let (bytes, dense) = (quantized.weight_bytes(), reference.weight_bytes());
-    println!("{label} Q8_0 GGUF: {summary}, {bytes} bytes against {dense} dequantized");
-    assert!(!summary.contains("f32"), "{label}: every matrix stays Q8_0: {summary}");
+    println!("{label} GGUF: {summary}, {bytes} bytes against {dense} dequantized");
+    assert!(summary.contains(held) && !summary.contains("f32"), "{label}: every matrix stays in blocks of {held}: {summary}");
     assert!(bytes * 3 < dense, "{label}: {bytes} against {dense} bytes");
     let (worst, agree, steps) = teacher_forced_against(&quantized, &reference, prompts, eos);
-    println!("{label} Q8_0 GGUF kept in blocks vs dequantized: max |logit diff| = {worst:.3e}, top-1 agreement {agree}/{steps}");
+    println!("{label} GGUF kept in blocks vs dequantized: max |logit diff| = {worst:.3e}, top-1 agreement {agree}/{steps}");
     assert!(agree >= steps * 8 / 10, "{label}: top-1 agreement {agree}/{steps}");
     assert!(worst < 2.0, "{label}: max |logit diff| {worst}");
 
     let got = ShardRun { flags: &["--dtype", "auto"], ..ShardRun::new(path, prompts, 2) }.run();
-    assert_group_matches_tp1(&format!("{label} Q8_0 GGUF TP 2 vs TP 1"), &quantized, prompts, &got, eos, tp2_tolerance);
+    assert_group_matches_tp1(&format!("{label} GGUF TP 2 vs TP 1"), &quantized, prompts, &got, eos, tp2_tolerance);
 }

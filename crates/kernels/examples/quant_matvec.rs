@@ -14,10 +14,10 @@
 use std::time::Instant;
 
 use candle_core::quantized::k_quants::{BlockQ2K, BlockQ3K, BlockQ4K, BlockQ5K, BlockQ6K, BlockQ8K, GgmlType};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rayon::prelude::*;
-use tpserve_kernels::quant::formats::{Sliced, quantize_matrix, row_bytes};
+use tpserve_kernels::quant::formats::{Format, Sliced, quantize_matrix, row_bytes};
 use tpserve_kernels::quant::interleaved;
 use tpserve_kernels::quant::kernels::{Path, matmul};
 
@@ -34,7 +34,7 @@ fn run() {
     if !only_k {
         // (k, n): q/k/v+o, gate/up, down, LM head of SmolLM2-135M
         let shapes = [(576, 960), (576, 3072), (1536, 576), (576, 49152)];
-        for (dtype, m) in [(GgmlDType::Q4_1, 1), (GgmlDType::Q8_0, 1), (GgmlDType::Q4_1, 16), (GgmlDType::Q8_0, 16)] {
+        for (dtype, m) in [(Format::Q4_1, 1), (Format::Q8_0, 1), (Format::Q4_1, 16), (Format::Q8_0, 16)] {
             layout_lines(dtype, m, &shapes);
             candle_line(dtype, m, &shapes);
         }
@@ -43,7 +43,7 @@ fn run() {
     // projection, Qwen3-0.6B's gate/up and down, a 2048-wide attention projection.
     let shapes = [(1536, 576), (1024, 3072), (3072, 1024), (2048, 2048)];
     for m in [1, 16] {
-        for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K, GgmlDType::Q2K, GgmlDType::Q3K] {
+        for dtype in [Format::Q4K, Format::Q5K, Format::Q6K, Format::Q2K, Format::Q3K] {
             layout_lines(dtype, m, &shapes);
             let mut line = format!("{dtype:?} m={m:<2} {:>16}:", "candle vec_dot");
             for &(k, n) in &shapes {
@@ -60,7 +60,7 @@ fn run() {
 
 /// One line per path this CPU has and per layout of `dtype`: GGML's rows, and the interleaved
 /// one where the format is held so (`interleaved::packable`).
-fn layout_lines(dtype: GgmlDType, m: usize, shapes: &[(usize, usize)]) {
+fn layout_lines(dtype: Format, m: usize, shapes: &[(usize, usize)]) {
     for path in Path::ALL.into_iter().filter(|p| p.available()) {
         for x8 in [false, true] {
             if x8 && !interleaved::packable(dtype) {
@@ -83,7 +83,7 @@ fn layout_lines(dtype: GgmlDType, m: usize, shapes: &[(usize, usize)]) {
 }
 
 /// candle's quantized matmul (`QMatMul`, the baseline) on the same weights.
-fn candle_line(dtype: GgmlDType, m: usize, shapes: &[(usize, usize)]) {
+fn candle_line(dtype: Format, m: usize, shapes: &[(usize, usize)]) {
     let mut line = format!("{dtype:?} m={m:<2} {:>16}:", "candle");
     for &(k, n) in shapes {
         if k % dtype.block_size() != 0 {
@@ -92,7 +92,8 @@ fn candle_line(dtype: GgmlDType, m: usize, shapes: &[(usize, usize)]) {
             continue;
         }
         let w = Tensor::from_vec(weights(n, k), (n, k), &Device::Cpu).unwrap();
-        let q = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+        let ggml = dtype.ggml().expect("a format candle quantizes to");
+        let q = QMatMul::from_qtensor(QTensor::quantize(&w, ggml).unwrap()).unwrap();
         let x = Tensor::from_vec(activations(m, k), (m, k), &Device::Cpu).unwrap();
         let seconds = time(m, n, k, || q.forward(&x).unwrap());
         line += &figure(k, n, seconds, n * row_bytes(dtype, k));
@@ -125,7 +126,7 @@ fn figure(k: usize, n: usize, seconds: f64, bytes: usize) -> String {
 
 /// `x @ w.T` through candle's `GgmlType::vec_dot` per weight row against candle's Q8_K
 /// activations, 32 rows a rayon task: tpserve's K-quant product before `quant::kquant`.
-fn candle_vec_dot(dtype: GgmlDType, x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
+fn candle_vec_dot(dtype: Format, x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
     fn run<T: GgmlType<VecDotType = BlockQ8K>>(x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
         let acts: Vec<Vec<BlockQ8K>> = x
             .chunks_exact(k)
@@ -135,7 +136,7 @@ fn candle_vec_dot(dtype: GgmlDType, x: &[f32], m: usize, k: usize, w: &[u8], n: 
                 blocks
             })
             .collect();
-        let rb = row_bytes(T::DTYPE, k);
+        let rb = k / T::BLCK_SIZE * T::DTYPE.type_size();
         let mut out_t = vec![0f32; n * m];
         out_t.par_chunks_mut(32 * m).enumerate().for_each(|(task, out)| {
             for (j, out) in out.chunks_exact_mut(m).enumerate() {
@@ -153,10 +154,10 @@ fn candle_vec_dot(dtype: GgmlDType, x: &[f32], m: usize, k: usize, w: &[u8], n: 
         out_t
     }
     match dtype {
-        GgmlDType::Q2K => run::<BlockQ2K>(x, m, k, w, n),
-        GgmlDType::Q3K => run::<BlockQ3K>(x, m, k, w, n),
-        GgmlDType::Q4K => run::<BlockQ4K>(x, m, k, w, n),
-        GgmlDType::Q5K => run::<BlockQ5K>(x, m, k, w, n),
+        Format::Q2K => run::<BlockQ2K>(x, m, k, w, n),
+        Format::Q3K => run::<BlockQ3K>(x, m, k, w, n),
+        Format::Q4K => run::<BlockQ4K>(x, m, k, w, n),
+        Format::Q5K => run::<BlockQ5K>(x, m, k, w, n),
         _ => run::<BlockQ6K>(x, m, k, w, n),
     }
 }

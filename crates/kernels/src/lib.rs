@@ -40,9 +40,19 @@ pub(crate) mod test_values {
     }
 
     /// A `[rows, cols]` matrix of `values(rows * cols, seed)` quantized to `dtype` itself (the
-    /// shape must take whole blocks: no fallback format).
-    pub fn blocks(dtype: candle_core::quantized::GgmlDType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
-        use crate::quant::formats::{Sliced, quantize_matrix};
+    /// shape must take whole blocks: no fallback format); for IQ4_NL, which tpserve does not
+    /// quantize to, blocks of indices from the same generator and scales from 0.004 to 0.012
+    /// (values within [-1.6, 1.6]).
+    pub fn blocks(dtype: crate::quant::formats::Format, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        use crate::quant::formats::{Format, Sliced, quantize_matrix};
+        if dtype == Format::Iq4Nl {
+            let count = rows * cols / 32;
+            let mut bytes: Vec<u8> = values(count * 18, seed).iter().map(|v| ((v + 1.0) * 128.0) as u8).collect();
+            for (block, v) in bytes.chunks_exact_mut(18).zip(values(count, seed + 1)) {
+                block[..2].copy_from_slice(&half::f16::from_f32(0.008 + 0.004 * v).to_le_bytes());
+            }
+            return bytes;
+        }
         let Sliced::Blocks { bytes, dtype: held, .. } = quantize_matrix(dtype, rows, cols, values(rows * cols, seed)) else {
             panic!("{dtype:?} [{rows}, {cols}] was not held in blocks")
         };

@@ -8,7 +8,7 @@
 //!   columns on block boundaries, else re-quantized to Q8_0, else f32), load-time quantization.
 //! - [`kernels`]: activations quantized per block to 8 bits and integer dot products, AVX-512
 //!   VNNI / AVX2 / portable, chosen in one place ([`kernels::Path::selected`]).
-//! - [`interleaved`]: the resident layout of the 32-value block formats (Q4_0..Q8_0), Q4_K,
+//! - [`interleaved`]: the resident layout of the 32-value block formats (Q4_0..Q8_0, IQ4_NL), Q4_K,
 //!   Q5_K and Q6_K, eight rows interleaved so that one vector holds the same block of eight rows, and its
 //!   products.
 //! - [`Weight`]: the weight of a linear layer, embedding or LM head: dense, in column panels
@@ -19,12 +19,11 @@ pub use tpserve_kernels::quant::{formats, interleaved, kernels};
 use std::sync::Arc;
 
 use anyhow::{Result, bail};
-use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Storage, Tensor};
 
 use super::panels::PanelMatrix;
 pub use tpserve_kernels::panels::Products;
-pub use formats::Sliced;
+pub use formats::{Format, Sliced};
 
 /// How a loader treats the weights of matrix products.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -35,13 +34,13 @@ pub enum QuantMode {
     /// GGUF tensors in a supported block format stay in their blocks (`--dtype auto` on CPU).
     KeepGguf,
     /// Every matrix is quantized to this format at load time (`--quantize`), each rank its slice.
-    To(GgmlDType),
+    To(Format),
 }
 
 /// Rows of one format inside a [`QMatrix`] (the fused q/k/v of a Q4_K_M file mixes formats).
 pub struct Segment {
-    /// the block format, or F32 for a dense f32 part
-    pub dtype: GgmlDType,
+    /// the block format, or None for a dense f32 part
+    pub format: Option<Format>,
     pub rows: usize,
     /// U8 `[rows, row_bytes]` of blocks (eight rows interleaved where
     /// [`interleaved::packable`]), or F32 `[rows, cols]`
@@ -50,17 +49,22 @@ pub struct Segment {
 
 impl Segment {
     /// A segment of `rows` rows of `cols` values from GGML's row-major block bytes.
-    fn blocks(dtype: GgmlDType, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Self> {
+    fn blocks(dtype: Format, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Self> {
         let rb = formats::row_bytes(dtype, cols);
         let bytes = if interleaved::packable(dtype) { interleaved::pack(dtype, rows, cols, &bytes) } else { bytes };
-        Ok(Segment { dtype, rows, data: Tensor::from_vec(bytes, (rows, rb), &Device::Cpu)? })
+        Ok(Segment { format: Some(dtype), rows, data: Tensor::from_vec(bytes, (rows, rb), &Device::Cpu)? })
     }
 
-    /// Its blocks in GGML's row-major layout (a copy).
-    fn row_major_bytes(&self, cols: usize) -> Result<Vec<u8>> {
+    /// Its blocks (format `dtype`) in GGML's row-major layout (a copy).
+    fn row_major_bytes(&self, dtype: Format, cols: usize) -> Result<Vec<u8>> {
         with_bytes(&self.data, |bytes| {
-            if interleaved::packable(self.dtype) { interleaved::unpack(self.dtype, self.rows, cols, bytes) } else { bytes.to_vec() }
+            if interleaved::packable(dtype) { interleaved::unpack(dtype, self.rows, cols, bytes) } else { bytes.to_vec() }
         })
+    }
+
+    /// Its format's GGUF name (`q4_k`), or `f32`.
+    pub fn format_name(&self) -> &'static str {
+        self.format.map_or("f32", Format::name)
     }
 
     pub fn resident_bytes(&self) -> usize {
@@ -186,7 +190,7 @@ impl Weight {
             Weight::Quant(q) => {
                 let mut names: Vec<&str> = Vec::new();
                 for s in &q.segments {
-                    let name = formats::name(s.dtype);
+                    let name = s.format_name();
                     if !names.contains(&name) {
                         names.push(name);
                     }
@@ -216,7 +220,7 @@ impl Weight {
         // Consecutive parts of one format merge into one segment: their row-major blocks (or
         // f32 rows) are concatenated, then held as a segment again (interleaved anew).
         enum Run {
-            Blocks(GgmlDType, usize, Vec<u8>),
+            Blocks(Format, usize, Vec<u8>),
             Dense(Vec<Tensor>),
         }
         let mut runs: Vec<Run> = Vec::new();
@@ -234,10 +238,9 @@ impl Weight {
                     .segments
                     .iter()
                     .map(|s| {
-                        Ok(if s.dtype == GgmlDType::F32 {
-                            Run::Dense(vec![s.data.clone()])
-                        } else {
-                            Run::Blocks(s.dtype, s.rows, s.row_major_bytes(cols)?)
+                        Ok(match s.format {
+                            Some(dtype) => Run::Blocks(dtype, s.rows, s.row_major_bytes(dtype, cols)?),
+                            None => Run::Dense(vec![s.data.clone()]),
                         })
                     })
                     .collect::<Result<_>>()?,
@@ -259,7 +262,7 @@ impl Weight {
                 Run::Blocks(dtype, rows, bytes) => Segment::blocks(dtype, rows, cols, bytes),
                 Run::Dense(tensors) => {
                     let data = Tensor::cat(&tensors, 0)?;
-                    Ok(Segment { dtype: GgmlDType::F32, rows: data.dims2()?.0, data })
+                    Ok(Segment { format: None, rows: data.dims2()?.0, data })
                 }
             })
             .collect::<Result<Vec<_>>>()?;
@@ -297,17 +300,18 @@ impl QMatrix {
     fn row_f32(&self, mut row: usize, out: &mut [f32]) -> Result<()> {
         for s in &self.segments {
             if row < s.rows {
-                if s.dtype == GgmlDType::F32 {
-                    out.copy_from_slice(&s.data.get(row)?.to_vec1::<f32>()?);
-                } else {
-                    let rb = formats::row_bytes(s.dtype, self.cols);
-                    with_bytes(&s.data, |bytes| {
-                        if interleaved::packable(s.dtype) {
-                            formats::dequantize(s.dtype, &interleaved::row(s.dtype, s.rows, self.cols, bytes, row), out)
-                        } else {
-                            formats::dequantize(s.dtype, &bytes[row * rb..(row + 1) * rb], out)
-                        }
-                    })?;
+                match s.format {
+                    None => out.copy_from_slice(&s.data.get(row)?.to_vec1::<f32>()?),
+                    Some(dtype) => {
+                        let rb = formats::row_bytes(dtype, self.cols);
+                        with_bytes(&s.data, |bytes| {
+                            if interleaved::packable(dtype) {
+                                formats::dequantize(dtype, &interleaved::row(dtype, s.rows, self.cols, bytes, row), out)
+                            } else {
+                                formats::dequantize(dtype, &bytes[row * rb..(row + 1) * rb], out)
+                            }
+                        })?;
+                    }
                 }
                 return Ok(());
             }
@@ -327,17 +331,18 @@ impl QMatrix {
         let values = x32.flatten_all()?.to_vec1::<f32>()?;
         let mut parts = Vec::with_capacity(self.segments.len());
         for s in &self.segments {
-            let y = if s.dtype == GgmlDType::F32 {
-                crate::model::parallel::matmul_transposed(&x32, &s.data)?
-            } else {
-                let out = with_bytes(&s.data, |bytes| {
-                    if interleaved::packable(s.dtype) {
-                        interleaved::matmul(&values, m, k, s.dtype, bytes, s.rows, path)
-                    } else {
-                        kernels::matmul(&values, m, k, s.dtype, bytes, s.rows, path)
-                    }
-                })?;
-                Tensor::from_vec(out, (m, s.rows), &Device::Cpu)?
+            let y = match s.format {
+                None => crate::model::parallel::matmul_transposed(&x32, &s.data)?,
+                Some(dtype) => {
+                    let out = with_bytes(&s.data, |bytes| {
+                        if interleaved::packable(dtype) {
+                            interleaved::matmul(&values, m, k, dtype, bytes, s.rows, path)
+                        } else {
+                            kernels::matmul(&values, m, k, dtype, bytes, s.rows, path)
+                        }
+                    })?;
+                    Tensor::from_vec(out, (m, s.rows), &Device::Cpu)?
+                }
             };
             parts.push(y);
         }
@@ -354,13 +359,13 @@ mod tests {
     fn mixed_segments_multiply_like_their_dequantized_stack() {
         let (k, m) = (256, 3);
         let values = |n: usize, seed: u32| -> Vec<f32> { (0..n).map(|i| (((i as u32).wrapping_mul(2654435761u32) ^ seed) % 1000) as f32 / 500.0 - 1.0).collect() };
-        let a = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q4K, 5, k, values(5 * k, 1)), &Device::Cpu).unwrap();
-        let b = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q6K, 3, k, values(3 * k, 2)), &Device::Cpu).unwrap();
+        let a = Weight::from_sliced(formats::quantize_matrix(Format::Q4K, 5, k, values(5 * k, 1)), &Device::Cpu).unwrap();
+        let b = Weight::from_sliced(formats::quantize_matrix(Format::Q6K, 3, k, values(3 * k, 2)), &Device::Cpu).unwrap();
         let c = Weight::Dense(Tensor::from_vec(values(2 * k, 3), (2, k), &Device::Cpu).unwrap());
         // interleaved formats, two adjacent parts of one merged (9 + 9 rows: two whole groups
         // and a tail once merged)
-        let d = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q4_1, 9, k, values(9 * k, 5)), &Device::Cpu).unwrap();
-        let e = Weight::from_sliced(formats::quantize_matrix(GgmlDType::Q8_0, 11, k, values(11 * k, 6)), &Device::Cpu).unwrap();
+        let d = Weight::from_sliced(formats::quantize_matrix(Format::Q4_1, 9, k, values(9 * k, 5)), &Device::Cpu).unwrap();
+        let e = Weight::from_sliced(formats::quantize_matrix(Format::Q8_0, 11, k, values(11 * k, 6)), &Device::Cpu).unwrap();
         let w = Weight::cat_rows(vec![a.clone(), b.clone(), a, c, d.clone(), d, e]).unwrap();
         let rows = 15 + 18 + 11;
         assert_eq!(w.dims2().unwrap(), (rows, k));

@@ -16,59 +16,107 @@ use std::sync::Mutex;
 use anyhow::{Result, bail};
 use rayon::prelude::*;
 use candle_core::quantized::GgmlDType;
+
+use super::iq4::{self, Iq4};
 use candle_core::quantized::k_quants::{
     BlockQ2K, BlockQ3K, BlockQ4K, BlockQ4_0, BlockQ4_1, BlockQ5K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, GgmlType,
 };
 
-/// The formats whose blocks stay resident and go through the integer kernels.
-pub fn supported(dtype: GgmlDType) -> bool {
-    use GgmlDType::*;
-    matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q2K | Q3K | Q4K | Q5K | Q6K)
+/// A block format held resident and multiplied by the integer kernels: GGML's 32-value formats
+/// and K-quants (their blocks as candle's `k_quants` types define them), and IQ4_NL (4-bit
+/// levels from a table, [`super::iq4`]). tpserve's own type: candle's `GgmlDType` has no IQ4.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Format {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q2K,
+    Q3K,
+    Q4K,
+    Q5K,
+    Q6K,
+    Iq4Nl,
 }
 
-/// K-quants: 256-value super-blocks, multiplied against Q8_K activations.
-pub fn is_k_quant(dtype: GgmlDType) -> bool {
-    use GgmlDType::*;
-    matches!(dtype, Q2K | Q3K | Q4K | Q5K | Q6K)
-}
+impl Format {
+    /// The format of a tensor stored in `dtype`, when it is one held resident.
+    pub fn of_ggml(dtype: GgmlDType) -> Option<Format> {
+        use Format::*;
+        [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K].into_iter().find(|f| f.ggml() == Some(dtype))
+    }
 
-/// The GGUF name of a format, lower case (`q4_k`, `q8_0`).
-pub fn name(dtype: GgmlDType) -> &'static str {
-    use GgmlDType::*;
-    match dtype {
-        F32 => "f32",
-        F16 => "f16",
-        BF16 => "bf16",
-        Q4_0 => "q4_0",
-        Q4_1 => "q4_1",
-        Q5_0 => "q5_0",
-        Q5_1 => "q5_1",
-        Q8_0 => "q8_0",
-        Q8_1 => "q8_1",
-        Q2K => "q2_k",
-        Q3K => "q3_k",
-        Q4K => "q4_k",
-        Q5K => "q5_k",
-        Q6K => "q6_k",
-        Q8K => "q8_k",
+    /// candle's name for it, whose block type dequantizes and quantizes it; None for IQ4_NL.
+    pub fn ggml(self) -> Option<GgmlDType> {
+        use Format::*;
+        Some(match self {
+            Q4_0 => GgmlDType::Q4_0,
+            Q4_1 => GgmlDType::Q4_1,
+            Q5_0 => GgmlDType::Q5_0,
+            Q5_1 => GgmlDType::Q5_1,
+            Q8_0 => GgmlDType::Q8_0,
+            Q2K => GgmlDType::Q2K,
+            Q3K => GgmlDType::Q3K,
+            Q4K => GgmlDType::Q4K,
+            Q5K => GgmlDType::Q5K,
+            Q6K => GgmlDType::Q6K,
+            Iq4Nl => return None,
+        })
+    }
+
+    /// Values per block.
+    pub fn block_size(self) -> usize {
+        self.ggml().map_or(Iq4::Nl.block_size(), |d| d.block_size())
+    }
+
+    /// Bytes per block.
+    pub fn type_size(self) -> usize {
+        self.ggml().map_or(Iq4::Nl.type_size(), |d| d.type_size())
+    }
+
+    /// K-quants: 256-value super-blocks, multiplied against Q8_K activations.
+    pub fn is_k_quant(self) -> bool {
+        use Format::*;
+        matches!(self, Q2K | Q3K | Q4K | Q5K | Q6K)
+    }
+
+    /// The GGUF name, lower case (`q4_k`, `q8_0`, `iq4_nl`).
+    pub fn name(self) -> &'static str {
+        use Format::*;
+        match self {
+            Q4_0 => "q4_0",
+            Q4_1 => "q4_1",
+            Q5_0 => "q5_0",
+            Q5_1 => "q5_1",
+            Q8_0 => "q8_0",
+            Q2K => "q2_k",
+            Q3K => "q3_k",
+            Q4K => "q4_k",
+            Q5K => "q5_k",
+            Q6K => "q6_k",
+            Iq4Nl => Iq4::Nl.name(),
+        }
     }
 }
 
-/// A `--quantize` value: a supported format by its GGUF name (case-insensitive).
-pub fn parse(text: &str) -> Option<GgmlDType> {
-    use GgmlDType::*;
-    [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K].into_iter().find(|d| name(*d).eq_ignore_ascii_case(text))
+/// A `--quantize` value: a format tpserve quantizes to, by its GGUF name (case-insensitive).
+/// Every format but IQ4_NL, which is read from files only (its levels need llama.cpp's search
+/// for the best scale to quantize well).
+pub fn parse(text: &str) -> Option<Format> {
+    use Format::*;
+    [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K].into_iter().find(|d| d.name().eq_ignore_ascii_case(text))
 }
 
 /// Bytes of one row of `cols` values (`cols` a multiple of the block size).
-pub fn row_bytes(dtype: GgmlDType, cols: usize) -> usize {
+pub fn row_bytes(dtype: Format, cols: usize) -> usize {
     cols / dtype.block_size() * dtype.type_size()
 }
 
-/// Calls `$body` with `$t` bound to the block type of `$dtype` (a supported format).
+/// Calls `$body` with `$t` bound to candle's block type of `$dtype` (any format but IQ4_NL).
 macro_rules! with_block_type {
     ($dtype:expr, $t:ident => $body:expr) => {{
-        use candle_core::quantized::GgmlDType as G;
+        use Format as G;
         match $dtype {
             G::Q4_0 => { type $t = BlockQ4_0; $body }
             G::Q4_1 => { type $t = BlockQ4_1; $body }
@@ -80,7 +128,7 @@ macro_rules! with_block_type {
             G::Q4K => { type $t = BlockQ4K; $body }
             G::Q5K => { type $t = BlockQ5K; $body }
             G::Q6K => { type $t = BlockQ6K; $body }
-            other => panic!("{other:?} is not a supported block format"),
+            G::Iq4Nl => panic!("IQ4_NL has no candle block type"),
         }
     }};
 }
@@ -107,12 +155,16 @@ pub(crate) fn with_blocks<T: GgmlType, R>(bytes: &[u8], f: impl FnOnce(&[T]) -> 
 }
 
 /// Dequantizes whole blocks `bytes` of `dtype` into `out` (one f32 per value).
-pub fn dequantize(dtype: GgmlDType, bytes: &[u8], out: &mut [f32]) {
+pub fn dequantize(dtype: Format, bytes: &[u8], out: &mut [f32]) {
+    if dtype == Format::Iq4Nl {
+        return iq4::dequantize(Iq4::Nl, bytes, out);
+    }
     with_block_type!(dtype, T => with_blocks::<T, _>(bytes, |blocks| T::to_float(blocks, out)))
 }
 
-/// Quantizes `values` (a multiple of the block size) to `dtype`, appending the blocks to `out`.
-pub fn quantize_into(dtype: GgmlDType, values: &[f32], out: &mut Vec<u8>) {
+/// Quantizes `values` (a multiple of the block size) to `dtype` (one [`parse`] admits: not
+/// IQ4_NL), appending the blocks to `out`.
+pub fn quantize_into(dtype: Format, values: &[f32], out: &mut Vec<u8>) {
     with_block_type!(dtype, T => {
         let mut blocks: Vec<T> = (0..values.len() / T::BLCK_SIZE).map(|_| T::zeros()).collect();
         T::from_float(values, &mut blocks);
@@ -136,7 +188,7 @@ pub fn log_once(message: String) {
 
 /// A rank's slice of a quantized matrix: blocks of one format, or f32 where none fits.
 pub enum Sliced {
-    Blocks { dtype: GgmlDType, rows: usize, cols: usize, bytes: Vec<u8> },
+    Blocks { dtype: Format, rows: usize, cols: usize, bytes: Vec<u8> },
     F32 { rows: usize, cols: usize, values: Vec<f32> },
 }
 
@@ -185,7 +237,7 @@ impl Sliced {
 /// matrix of `dtype` blocks, in the order given (their concatenation). `row_order`, when set,
 /// maps each output row to the stored row it comes from (GGUF's permuted q/k rows).
 pub fn slice(
-    dtype: GgmlDType,
+    dtype: Format,
     rows: usize,
     cols: usize,
     bytes: &[u8],
@@ -195,7 +247,7 @@ pub fn slice(
 ) -> Result<Sliced> {
     let rb = row_bytes(dtype, cols);
     if bytes.len() != rows * rb {
-        bail!("{} bytes do not hold {rows} rows of {cols} {} values", bytes.len(), name(dtype));
+        bail!("{} bytes do not hold {rows} rows of {cols} {} values", bytes.len(), dtype.name());
     }
     fn row_of<'a>(bytes: &'a [u8], rb: usize, order: Option<&[usize]>, r: usize) -> &'a [u8] {
         let stored = order.map_or(r, |order| order[r]);
@@ -245,11 +297,11 @@ pub fn slice(
                     values.extend_from_slice(&scratch[range.start - offset..range.end - offset]);
                 }
             }
-            let q8 = GgmlDType::Q8_0;
+            let q8 = Format::Q8_0;
             if selected % q8.block_size() == 0 && selected > 0 {
                 log_once(format!(
                     "{} tensors cut inside their {block}-value blocks are re-quantized to q8_0 on this rank",
-                    name(dtype)
+                    dtype.name()
                 ));
                 let mut out = Vec::with_capacity(rows * row_bytes(q8, selected));
                 for row in values.chunks_exact(selected) {
@@ -259,7 +311,7 @@ pub fn slice(
             } else {
                 log_once(format!(
                     "{} tensors cut into slices of {selected} columns (not whole q8_0 blocks) are held in f32 on this rank",
-                    name(dtype)
+                    dtype.name()
                 ));
                 Ok(Sliced::F32 { rows, cols: selected, values })
             }
@@ -270,16 +322,16 @@ pub fn slice(
 
 /// Quantizes a row-major `[rows, cols]` f32 matrix to `dtype`, or to Q8_0 when its rows are not
 /// whole `dtype` blocks, or leaves it f32 when they are not even whole Q8_0 blocks (logged once).
-pub fn quantize_matrix(dtype: GgmlDType, rows: usize, cols: usize, values: Vec<f32>) -> Sliced {
+pub fn quantize_matrix(dtype: Format, rows: usize, cols: usize, values: Vec<f32>) -> Sliced {
     let target = if cols % dtype.block_size() == 0 {
         dtype
-    } else if cols % GgmlDType::Q8_0.block_size() == 0 {
+    } else if cols % Format::Q8_0.block_size() == 0 {
         log_once(format!(
             "matrices with rows of {cols} values (not whole {} blocks of {}) are quantized to q8_0 instead",
-            name(dtype),
+            dtype.name(),
             dtype.block_size()
         ));
-        GgmlDType::Q8_0
+        Format::Q8_0
     } else {
         log_once(format!("matrices with rows of {cols} values (not whole q8_0 blocks) stay f32"));
         return Sliced::F32 { rows, cols, values };
@@ -311,7 +363,7 @@ mod tests {
     /// widths are handed back.
     #[test]
     fn stack_rows_appends_slices_of_one_format() {
-        let blocks = |rows: usize, cols: usize, fill: u8| Sliced::Blocks { dtype: GgmlDType::Q8_0, rows, cols, bytes: vec![fill; rows * row_bytes(GgmlDType::Q8_0, cols)] };
+        let blocks = |rows: usize, cols: usize, fill: u8| Sliced::Blocks { dtype: Format::Q8_0, rows, cols, bytes: vec![fill; rows * row_bytes(Format::Q8_0, cols)] };
         let Ok(Sliced::Blocks { rows, cols, bytes, .. }) = Sliced::stack_rows(vec![blocks(2, 64, 1), blocks(3, 64, 2)]) else { panic!("one format stacks") };
         assert_eq!((rows, cols, bytes.len()), (5, 64, 5 * 68));
         assert!(bytes[..2 * 68].iter().all(|&b| b == 1) && bytes[2 * 68..].iter().all(|&b| b == 2));
@@ -336,7 +388,7 @@ mod tests {
 
     #[test]
     fn slices_match_slices_of_the_dequantized_matrix() {
-        use GgmlDType::*;
+        use Format::*;
         for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
             let (rows, cols) = (7, 512);
             let Sliced::Blocks { bytes, .. } = quantize_matrix(dtype, rows, cols, values(rows * cols, 3)) else { panic!() };
@@ -356,7 +408,7 @@ mod tests {
             let s = slice(dtype, rows, cols, &bytes, 1, &[192..384], None).unwrap();
             let expect: Vec<f32> = (0..rows).flat_map(|r| full[r * cols + 192..r * cols + 384].to_vec()).collect();
             match &s {
-                Sliced::Blocks { dtype: d, .. } if is_k_quant(dtype) => assert_eq!(*d, Q8_0),
+                Sliced::Blocks { dtype: d, .. } if dtype.is_k_quant() => assert_eq!(*d, Q8_0),
                 Sliced::Blocks { dtype: d, .. } => assert_eq!(*d, dtype),
                 Sliced::F32 { .. } => panic!("192 columns fit q8_0"),
             }
@@ -374,8 +426,8 @@ mod tests {
 
     #[test]
     fn parses_names() {
-        assert_eq!(parse("q4_k"), Some(GgmlDType::Q4K));
-        assert_eq!(parse("Q8_0"), Some(GgmlDType::Q8_0));
+        assert_eq!(parse("q4_k"), Some(Format::Q4K));
+        assert_eq!(parse("Q8_0"), Some(Format::Q8_0));
         assert_eq!(parse("q8_1"), None);
         assert_eq!(parse("f32"), None);
     }

@@ -1,5 +1,5 @@
 //! Weight rows interleaved eight at a time ("x8"): the resident layout of the 32-value block
-//! formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and of Q4_K, Q5_K and Q6_K (their group-blocks and
+//! formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and of Q4_K, Q5_K and Q6_K (their group-blocks and
 //! products in [`super::interleaved_k`]), and their matrix products.
 //!
 //! In GGML's row layout a dot product pays, for every 32-value block, a horizontal sum and
@@ -26,6 +26,7 @@
 //! | Q5_0   | 16        |           | 32       | 128    |
 //! | Q5_1   | 16        | 16        | 32       | 128    |
 //! | Q8_0   | 16        |           |          | 256    |
+//! | IQ4_NL | 16        |           |          | 128    |
 //!
 //! - 4- and 5-bit values: 32-byte chunk `u` (0..4) holds in lane `r` bytes `4u..4u+4` of row r's
 //!   packed nibbles, whose low nibbles are values `4u..4u+4` and high nibbles `16+4u..16+4u+4`.
@@ -33,6 +34,9 @@
 //!   activation values `4t..4t+4`.
 //! - 5th bits: 32-bit word `t` has bit `4r + i` set when value `4t + i` of row r has its 5th bit.
 //! - Q8_0: 32-byte chunk `t` (0..8) holds bytes `4t..4t+4` of row r in lane r.
+//! - IQ4_NL: as Q4_0 (the same bytes); each nibble indexes the 16 signed levels, which one
+//!   `vpshufb` looks up for a whole register. They then multiply as Q8_0's bytes do, and take
+//!   the 256-bit body on AVX-512 too (no pairs of groups: that form has no IQ4_NL lookup).
 //!
 //! Rows past the last whole group stay in row layout after the groups and go through
 //! [`super::kernels`] (for the K-quants, [`super::kquant`]'s row kernels). A product's additions
@@ -40,10 +44,10 @@
 //! [`group_portable`] ([`super::interleaved_k::group_portable`] for the K-quants) bit for bit,
 //! and a row's result does not depend on the batch it is in.
 
-use candle_core::quantized::GgmlDType;
 use rayon::prelude::*;
 
-use super::formats::row_bytes;
+use super::formats::{Format, row_bytes};
+use super::iq4::LEVELS;
 use super::kernels::{self, ActQ8, Path, quantize_act};
 use super::interleaved_k::{self, KQuant};
 use super::kquant::{ActQ8K, quantize_act_k};
@@ -64,9 +68,9 @@ const QK: usize = 32;
 
 /// The formats held interleaved (resident): the model packs every one of them (the K-quants
 /// of [`KQuant`] among them).
-pub fn packable(dtype: GgmlDType) -> bool {
-    use GgmlDType::*;
-    matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0) || KQuant::of(dtype).is_some()
+pub fn packable(dtype: Format) -> bool {
+    use Format::*;
+    matches!(dtype, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Iq4Nl) || KQuant::of(dtype).is_some()
 }
 
 /// Where the parts of a format's blocks are: in a GGML block and in a group-block.
@@ -81,10 +85,10 @@ struct Parts {
 }
 
 impl Parts {
-    fn of(dtype: GgmlDType) -> Parts {
-        use GgmlDType::*;
+    fn of(dtype: Format) -> Parts {
+        use Format::*;
         match dtype {
-            Q4_0 => Parts { offset: false, high: false, eight_bit: false },
+            Q4_0 | Iq4Nl => Parts { offset: false, high: false, eight_bit: false },
             Q4_1 => Parts { offset: true, high: false, eight_bit: false },
             Q5_0 => Parts { offset: false, high: true, eight_bit: false },
             Q5_1 => Parts { offset: true, high: true, eight_bit: false },
@@ -167,7 +171,7 @@ fn unpack_block(p: Parts, group: &[u8], r: usize, out: &mut [u8]) {
 }
 
 /// A row-major `[rows, cols]` matrix of `dtype` blocks in the interleaved layout (same size).
-pub fn pack(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8> {
+pub fn pack(dtype: Format, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8> {
     assert!(packable(dtype), "{dtype:?} has no interleaved layout");
     let (ts, rb) = (dtype.type_size(), row_bytes(dtype, cols));
     assert_eq!(bytes.len(), rows * rb, "{} bytes are not [{rows}, {cols}] of {dtype:?}", bytes.len());
@@ -197,7 +201,7 @@ pub fn pack(dtype: GgmlDType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<u8>
 }
 
 /// Row `row` of an interleaved matrix, as GGML row-layout bytes.
-pub fn row(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8], row: usize) -> Vec<u8> {
+pub fn row(dtype: Format, rows: usize, cols: usize, packed: &[u8], row: usize) -> Vec<u8> {
     assert!(packable(dtype), "{dtype:?} has no interleaved layout");
     let (ts, rb) = (dtype.type_size(), row_bytes(dtype, cols));
     let gbytes = GROUP * ts;
@@ -222,7 +226,7 @@ pub fn row(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8], row: usize
 
 /// The row-major GGML bytes of an interleaved matrix (the inverse of [`pack`]), a group of
 /// eight rows per task: joining matrices at load (`cat_rows`) unpacks every byte of them.
-pub fn unpack(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8]) -> Vec<u8> {
+pub fn unpack(dtype: Format, rows: usize, cols: usize, packed: &[u8]) -> Vec<u8> {
     assert!(packable(dtype), "{dtype:?} has no interleaved layout");
     let (ts, rb) = (dtype.type_size(), row_bytes(dtype, cols));
     assert_eq!(packed.len(), rows * rb, "{} bytes are not [{rows}, {cols}] of {dtype:?}", packed.len());
@@ -247,7 +251,7 @@ pub fn unpack(dtype: GgmlDType, rows: usize, cols: usize, packed: &[u8]) -> Vec<
 }
 
 /// `x [m, k] @ w.T` for `w` `[n, k]` interleaved (see [`pack`]): returns `[m, n]`.
-pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usize, path: Path) -> Vec<f32> {
+pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, path: Path) -> Vec<f32> {
     assert!(path.available(), "this CPU has no {path:?} path");
     let rb = row_bytes(dtype, k);
     assert_eq!(w.len(), n * rb, "weight bytes do not match [{n}, {k}] of {dtype:?}");
@@ -268,8 +272,9 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     // Not zeroed first: the groups' tasks and the tail rows below write every element.
     let mut values = Vec::with_capacity(m * n);
     let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
-    // 512-bit vectors take two groups at once (a group's eight rows in each half).
-    let pairs = path == Path::Avx512Vnni && k_quant.is_none();
+    // 512-bit vectors take two groups at once (a group's eight rows in each half); IQ4_NL
+    // keeps the 256-bit body, whose lookups and signs its values need.
+    let pairs = path == Path::Avx512Vnni && k_quant.is_none() && dtype != Format::Iq4Nl;
     (0..groups.div_ceil(GROUPS_PER_TASK)).into_par_iter().for_each(|task| {
         let end = ((task + 1) * GROUPS_PER_TASK).min(groups);
         let mut g = task * GROUPS_PER_TASK;
@@ -341,7 +346,7 @@ enum Acts<'a> {
 /// One group's eight rows against up to four activation rows: `out[j][r]` is row r dotted with
 /// activation row j. The one place a path is taken for the 32-value formats
 /// ([`interleaved_k::group_dot`] for the K-quants).
-fn group_dot(path: Path, dtype: GgmlDType, group: &[u8], acts: Acts, out: &mut [[f32; GROUP]]) {
+fn group_dot(path: Path, dtype: Format, group: &[u8], acts: Acts, out: &mut [[f32; GROUP]]) {
     let acts = match acts {
         Acts::Q8(acts) => acts,
         Acts::K(kq, acts) => return interleaved_k::group_dot(path, kq, group, acts, out),
@@ -367,7 +372,7 @@ fn group_dot(path: Path, dtype: GgmlDType, group: &[u8], acts: Acts, out: &mut [
 /// Two consecutive groups' sixteen rows (`groups`: their bytes) against up to [`PAIR_ROWS`]
 /// activation rows on 512-bit vectors: `out[j][r]`, the lanes of [`group_dot`] for each group in
 /// turn.
-fn pair_dot(dtype: GgmlDType, groups: &[u8], acts: &[&ActQ8], out: &mut [[f32; 2 * GROUP]]) {
+fn pair_dot(dtype: Format, groups: &[u8], acts: &[&ActQ8], out: &mut [[f32; 2 * GROUP]]) {
     let blocks = acts[0].d.len();
     assert!(acts.len() <= PAIR_ROWS && acts.len() == out.len());
     assert!(groups.len() == 2 * blocks * Parts::of(dtype).group_bytes());
@@ -384,10 +389,11 @@ fn pair_dot(dtype: GgmlDType, groups: &[u8], acts: &[&ActQ8], out: &mut [[f32; 2
 }
 
 /// The scalar reference: per block and lane, `acc = fma(isum, d_w * d_x, acc)` then
-/// `acc = fma(c_w, s_x, acc)` (`c_w`: `-8 d_w`, `-16 d_w`, or `m_w`; none for Q8_0), which is
-/// what every SIMD path computes lane by lane.
-pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8], out: &mut [[f32; GROUP]]) {
+/// `acc = fma(c_w, s_x, acc)` (`c_w`: `-8 d_w`, `-16 d_w`, or `m_w`; none for Q8_0 and IQ4_NL,
+/// whose values are signed), which is what every SIMD path computes lane by lane.
+pub fn group_portable(dtype: Format, group: &[u8], acts: &[&ActQ8], out: &mut [[f32; GROUP]]) {
     let p = Parts::of(dtype);
+    let signed = p.eight_bit || dtype == Format::Iq4Nl;
     let f16 = |gb: &[u8], at: usize| half::f16::from_le_bytes([gb[at], gb[at + 1]]).to_f32();
     for o in out.iter_mut() {
         *o = [0.0; GROUP];
@@ -397,8 +403,8 @@ pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8], out: &mut
         for r in 0..GROUP {
             let d = f16(gb, 2 * r);
             let c = match dtype {
-                GgmlDType::Q4_0 => -8.0 * d,
-                GgmlDType::Q5_0 => -16.0 * d,
+                Format::Q4_0 => -8.0 * d,
+                Format::Q5_0 => -16.0 * d,
                 _ if p.offset => f16(gb, p.group_m() + 2 * r),
                 _ => 0.0,
             };
@@ -415,7 +421,11 @@ pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8], out: &mut
                     } else {
                         let byte = gb[p.group_qs() + 32 * (t % 4) + 4 * r + i];
                         let nibble = if t < 4 { byte & 15 } else { byte >> 4 };
-                        (nibble as u32 | ((high >> i) & 1) << 4) as i32
+                        if dtype == Format::Iq4Nl {
+                            LEVELS[nibble as usize] as i32
+                        } else {
+                            (nibble as u32 | ((high >> i) & 1) << 4) as i32
+                        }
                     };
                 }
             }
@@ -423,7 +433,7 @@ pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8], out: &mut
                 let x = &act.qs[b * QK..(b + 1) * QK];
                 let isum: i32 = values.iter().zip(x).map(|(&w, &x)| w * x as i32).sum();
                 o[r] = (isum as f32).mul_add(d * act.d[b], o[r]);
-                if !p.eight_bit {
+                if !signed {
                     o[r] = c.mul_add(act.s[b], o[r]);
                 }
             }
@@ -435,9 +445,9 @@ pub fn group_portable(dtype: GgmlDType, group: &[u8], acts: &[&ActQ8], out: &mut
 mod x86 {
     use std::arch::x86_64::*;
 
-    use candle_core::quantized::GgmlDType;
+    use crate::quant::formats::Format;
 
-    use super::super::kernels::x86::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, high_bits};
+    use super::super::kernels::x86::{IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, high_bits, levels};
     use super::{ActQ8, GROUP, Parts, QK};
 
     /// How far ahead of the group-block being read [`body`] prefetches: the hardware prefetcher
@@ -456,15 +466,16 @@ mod x86 {
             /// The CPU has the enabled features; `group` points to `blocks` group-blocks of
             /// `dtype` (a packable format); every activation row holds `blocks` blocks.
             #[target_feature(enable = $features)]
-            pub unsafe fn $name(dtype: GgmlDType, group: *const u8, blocks: usize, acts: &[&ActQ8], out: &mut [[f32; GROUP]]) {
+            pub unsafe fn $name(dtype: Format, group: *const u8, blocks: usize, acts: &[&ActQ8], out: &mut [[f32; GROUP]]) {
                 // SAFETY: forwarded contract.
                 unsafe {
                     match dtype {
-                        GgmlDType::Q4_0 => rows::<$vnni, Q4_0>(group, blocks, acts, out),
-                        GgmlDType::Q4_1 => rows::<$vnni, Q4_1>(group, blocks, acts, out),
-                        GgmlDType::Q5_0 => rows::<$vnni, Q5_0>(group, blocks, acts, out),
-                        GgmlDType::Q5_1 => rows::<$vnni, Q5_1>(group, blocks, acts, out),
-                        GgmlDType::Q8_0 => rows::<$vnni, Q8_0>(group, blocks, acts, out),
+                        Format::Q4_0 => rows::<$vnni, Q4_0>(group, blocks, acts, out),
+                        Format::Q4_1 => rows::<$vnni, Q4_1>(group, blocks, acts, out),
+                        Format::Q5_0 => rows::<$vnni, Q5_0>(group, blocks, acts, out),
+                        Format::Q5_1 => rows::<$vnni, Q5_1>(group, blocks, acts, out),
+                        Format::Q8_0 => rows::<$vnni, Q8_0>(group, blocks, acts, out),
+                        Format::Iq4Nl => rows::<$vnni, IQ4_NL>(group, blocks, acts, out),
                         other => unreachable!("{other:?} is not held interleaved (packable() admits the others)"),
                     }
                 }
@@ -558,6 +569,21 @@ mod x86 {
                             isum[j] = dot_acc::<VNNI>(isum[j], magnitude, x);
                         }
                     }
+                } else if F == IQ4_NL {
+                    // The nibbles' levels are signed bytes: they multiply as Q8_0's do.
+                    let (low, table) = (_mm256_set1_epi8(0x0F), levels());
+                    for u in 0..4 {
+                        let chunk = _mm256_loadu_si256(qs.add(32 * u).cast());
+                        let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(chunk, low));
+                        let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(chunk, 4), low));
+                        for (w, at) in [(lo, x0 + 4 * u), (hi, x0 + 16 + 4 * u)] {
+                            let magnitude = _mm256_sign_epi8(w, w);
+                            for j in 0..R {
+                                let x = _mm256_sign_epi8(broadcast4(acts[j], at), w);
+                                isum[j] = dot_acc::<VNNI>(isum[j], magnitude, x);
+                            }
+                        }
+                    }
                 } else {
                     let low = _mm256_set1_epi8(0x0F);
                     let mut pairs = [_mm256_setzero_si256(); R];
@@ -595,7 +621,7 @@ mod x86 {
                 for j in 0..R {
                     let scale = _mm256_mul_ps(d, _mm256_set1_ps(*acts[j].d.get_unchecked(b)));
                     acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), scale, acc[j]);
-                    if F != Q8_0 {
+                    if F != Q8_0 && F != IQ4_NL {
                         acc[j] = _mm256_fmadd_ps(c, _mm256_set1_ps(*acts[j].s.get_unchecked(b)), acc[j]);
                     }
                 }
@@ -610,11 +636,12 @@ mod x86 {
     #[inline(always)]
     fn parts_of<const F: u8>() -> Parts {
         Parts::of(match F {
-            Q4_0 => GgmlDType::Q4_0,
-            Q4_1 => GgmlDType::Q4_1,
-            Q5_0 => GgmlDType::Q5_0,
-            Q5_1 => GgmlDType::Q5_1,
-            _ => GgmlDType::Q8_0,
+            Q4_0 => Format::Q4_0,
+            Q4_1 => Format::Q4_1,
+            Q5_0 => Format::Q5_0,
+            Q5_1 => Format::Q5_1,
+            IQ4_NL => Format::Iq4Nl,
+            _ => Format::Q8_0,
         })
     }
 
@@ -627,15 +654,15 @@ mod x86 {
     /// consecutive groups of `blocks` group-blocks of `dtype` (a packable 32-value format);
     /// every activation row holds `blocks` blocks; `out` has `acts.len()` rows.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn pair_vnni(dtype: GgmlDType, groups: *const u8, blocks: usize, acts: &[&ActQ8], out: &mut [[f32; 2 * GROUP]]) {
+    pub unsafe fn pair_vnni(dtype: Format, groups: *const u8, blocks: usize, acts: &[&ActQ8], out: &mut [[f32; 2 * GROUP]]) {
         // SAFETY: forwarded contract; each arm passes exactly its number of rows.
         unsafe {
             match (dtype, acts.len()) {
-                (GgmlDType::Q4_0, n) => pair_rows::<Q4_0>(n, groups, blocks, acts, out),
-                (GgmlDType::Q4_1, n) => pair_rows::<Q4_1>(n, groups, blocks, acts, out),
-                (GgmlDType::Q5_0, n) => pair_rows::<Q5_0>(n, groups, blocks, acts, out),
-                (GgmlDType::Q5_1, n) => pair_rows::<Q5_1>(n, groups, blocks, acts, out),
-                (GgmlDType::Q8_0, n) => pair_rows::<Q8_0>(n, groups, blocks, acts, out),
+                (Format::Q4_0, n) => pair_rows::<Q4_0>(n, groups, blocks, acts, out),
+                (Format::Q4_1, n) => pair_rows::<Q4_1>(n, groups, blocks, acts, out),
+                (Format::Q5_0, n) => pair_rows::<Q5_0>(n, groups, blocks, acts, out),
+                (Format::Q5_1, n) => pair_rows::<Q5_1>(n, groups, blocks, acts, out),
+                (Format::Q8_0, n) => pair_rows::<Q8_0>(n, groups, blocks, acts, out),
                 (other, _) => unreachable!("{other:?} is not held interleaved in 32-value groups"),
             }
         }
@@ -786,11 +813,11 @@ pub(super) mod tests {
     use super::*;
     use crate::test_values::{assert_within_activation_rounding, blocks, values};
 
-    const FORMATS: [GgmlDType; 5] = [GgmlDType::Q4_0, GgmlDType::Q4_1, GgmlDType::Q5_0, GgmlDType::Q5_1, GgmlDType::Q8_0];
+    const FORMATS: [Format; 6] = [Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q5_1, Format::Q8_0, Format::Iq4Nl];
 
     /// Packing `[rows, cols]` of `dtype` keeps the size and rearranges a whole group, and
     /// `unpack` and `row` give GGML's bytes back, for row counts around the group size.
-    pub(in crate::quant) fn check_packing(dtype: GgmlDType, cols: usize, seed: u64) {
+    pub(in crate::quant) fn check_packing(dtype: Format, cols: usize, seed: u64) {
         for rows in [1, 7, 8, 9, 16, 21] {
             let bytes = blocks(dtype, rows, cols, seed + rows as u64);
             let packed = pack(dtype, rows, cols, &bytes);
@@ -829,7 +856,7 @@ pub(super) mod tests {
     /// group, in row layout), a row's result is the same alone as in its batch, and it is within
     /// the activation rounding of the dequantized product.
     pub(in crate::quant) fn check_products(
-        dtype: GgmlDType,
+        dtype: Format,
         path: Path,
         (m, k, n): (usize, usize, usize),
         bytes: &[u8],

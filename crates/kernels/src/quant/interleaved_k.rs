@@ -42,8 +42,7 @@
 //! path equals [`group_portable`] bit for bit, each lane is a row's result (no horizontal sum),
 //! and a row's result does not depend on its batch.
 
-use candle_core::quantized::GgmlDType;
-
+use super::formats::Format;
 use super::interleaved::GROUP;
 use super::kernels::Path;
 use super::kquant::{ActQ8K, QK_K};
@@ -96,11 +95,11 @@ pub enum KQuant {
 
 impl KQuant {
     /// The format `dtype` held interleaved, or None (not a K-quant, or one in row layout).
-    pub fn of(dtype: GgmlDType) -> Option<KQuant> {
+    pub fn of(dtype: Format) -> Option<KQuant> {
         match dtype {
-            GgmlDType::Q4K => Some(KQuant::Q4K),
-            GgmlDType::Q5K => Some(KQuant::Q5K),
-            GgmlDType::Q6K => Some(KQuant::Q6K),
+            Format::Q4K => Some(KQuant::Q4K),
+            Format::Q5K => Some(KQuant::Q5K),
+            Format::Q6K => Some(KQuant::Q6K),
             _ => None,
         }
     }
@@ -608,7 +607,7 @@ mod tests {
     use super::*;
     use crate::test_values::{assert_within_activation_rounding, blocks, values};
 
-    const FORMATS: [GgmlDType; 3] = [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+    const FORMATS: [Format; 3] = [Format::Q4K, Format::Q5K, Format::Q6K];
 
     /// Packing keeps the size, `unpack` and `row` invert it, on three 256-blocks a row.
     #[test]

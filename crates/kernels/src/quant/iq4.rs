@@ -1,17 +1,17 @@
 //! llama.cpp's 4-bit non-linear formats, IQ4_NL and IQ4_XS: each value a 4-bit index into one
 //! fixed table of 16 signed 8-bit levels, times a block scale. candle's GGML module does not
-//! read them, so they are read here: dequantized to f32 for the exact path, or turned into
-//! Q8_0 blocks for the integer kernels.
+//! read them, so they are read here: dequantized to f32 for the exact path; IQ4_NL blocks go to
+//! the integer kernels as they are ([`super::formats::Format::Iq4Nl`]), IQ4_XS ones as IQ4_NL.
 //!
 //! - IQ4_NL: blocks of 32 values, `{ f16 d; u8 qs[16] }` (18 bytes). Value j < 16 is
 //!   `d * LEVELS[qs[j] & 15]`, value j + 16 is `d * LEVELS[qs[j] >> 4]` (Q4_0's nibble order).
-//!   As Q8_0 (`{ f16 d; i8 qs[32] }`) it is exact: the same scale, each level as its int8.
 //! - IQ4_XS: super-blocks of 256 values, `{ f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128] }`
 //!   (136 bytes): eight sub-blocks of 32, sub-block i scaled by `d * (ls_i - 32)` with a 6-bit
-//!   `ls_i` (low 4 bits in `scales_l`, high 2 in `scales_h`), its values as IQ4_NL's. As Q8_0 each
-//!   sub-block keeps its levels and takes that scale rounded to f16: every value within a
-//!   relative 2^-11 of its IQ4_XS value (the rounding of one f16 product) where that scale is a
-//!   normal f16 (at least 6.1e-5; a smaller one is rounded to f16's subnormal step of 6e-8).
+//!   `ls_i` (low 4 bits in `scales_l`, high 2 in `scales_h`), its values as IQ4_NL's. As IQ4_NL
+//!   (18 bytes per 32 values against 17) each sub-block keeps its indices and takes that scale
+//!   rounded to f16: every value within a relative 2^-11 of its IQ4_XS value (the rounding of
+//!   one f16 product) where that scale is a normal f16 (at least 6.1e-5; a smaller one is
+//!   rounded to f16's subnormal step of 6e-8).
 
 use half::f16;
 use rayon::prelude::*;
@@ -25,9 +25,6 @@ pub enum Iq4 {
     Nl,
     Xs,
 }
-
-/// Bytes of a Q8_0 block of 32 values.
-const Q8_0_BLOCK: usize = 34;
 
 impl Iq4 {
     pub fn name(self) -> &'static str {
@@ -90,21 +87,19 @@ pub fn dequantize(kind: Iq4, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// The same values as Q8_0 blocks (in order, 34 bytes per 32 values), converted in parallel:
-/// exact for IQ4_NL; for IQ4_XS each sub-block's scale is rounded to f16. None when such a
-/// scale overflows f16 (a super-block scale above 2,047: quantize the dequantized values
-/// instead).
-pub fn to_q8_0(kind: Iq4, bytes: &[u8]) -> Option<Vec<u8>> {
-    let per_block = kind.block_size() / 32 * Q8_0_BLOCK;
-    let mut out = vec![0u8; kind.blocks(bytes).len() * per_block];
-    let fits = out.par_chunks_mut(per_block).zip(bytes.par_chunks(kind.type_size())).all(|(out, block)| {
-        kind.sub_blocks(block).zip(out.chunks_exact_mut(Q8_0_BLOCK)).all(|((scale, qs), q8)| {
+/// IQ4_XS blocks `bytes` as IQ4_NL blocks (in order, 18 bytes per 32 values), converted in
+/// parallel: each sub-block keeps its indices and takes its scale rounded to f16. None when
+/// such a scale overflows f16 (a super-block scale above 2,047: quantize the dequantized
+/// values instead).
+pub fn xs_to_nl(bytes: &[u8]) -> Option<Vec<u8>> {
+    let (xs, nl) = (Iq4::Xs, Iq4::Nl);
+    let per_block = xs.block_size() / nl.block_size() * nl.type_size();
+    let mut out = vec![0u8; xs.blocks(bytes).len() * per_block];
+    let fits = out.par_chunks_mut(per_block).zip(bytes.par_chunks(xs.type_size())).all(|(out, block)| {
+        xs.sub_blocks(block).zip(out.chunks_exact_mut(nl.type_size())).all(|((scale, qs), nl)| {
             let d = f16::from_f32(scale);
-            q8[..2].copy_from_slice(&d.to_le_bytes());
-            for (j, &q) in qs.iter().enumerate() {
-                q8[2 + j] = LEVELS[(q & 15) as usize] as u8;
-                q8[18 + j] = LEVELS[(q >> 4) as usize] as u8;
-            }
+            nl[..2].copy_from_slice(&d.to_le_bytes());
+            nl[2..].copy_from_slice(qs);
             d.is_finite() || !scale.is_finite()
         })
     });
@@ -113,10 +108,7 @@ pub fn to_q8_0(kind: Iq4, bytes: &[u8]) -> Option<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::quantized::GgmlDType;
-
     use super::*;
-    use crate::quant::formats;
 
     /// Blocks of `kind` from a simple generator: any bytes are a valid block once the scale is a
     /// finite f16.
@@ -172,20 +164,16 @@ mod tests {
     }
 
     #[test]
-    fn iq4_nl_becomes_q8_0_exactly_and_iq4_xs_within_an_f16_rounding() {
-        for kind in [Iq4::Nl, Iq4::Xs] {
-            let bytes = blocks(kind, 3, 11);
-            let want = reference(kind, &bytes);
-            let q8 = to_q8_0(kind, &bytes).expect("scales fit f16");
-            assert_eq!(q8.len(), want.len() / 32 * Q8_0_BLOCK);
-            let mut got = vec![0f32; want.len()];
-            formats::dequantize(GgmlDType::Q8_0, &q8, &mut got);
-            for (g, w) in got.iter().zip(&want) {
-                match kind {
-                    Iq4::Nl => assert_eq!(g, w),
-                    Iq4::Xs => assert!((g - w).abs() <= w.abs() * 2f32.powi(-11), "{g} vs {w}"),
-                }
-            }
+    fn iq4_xs_becomes_iq4_nl_within_an_f16_rounding() {
+        let bytes = blocks(Iq4::Xs, 3, 11);
+        let want = reference(Iq4::Xs, &bytes);
+        let nl = xs_to_nl(&bytes).expect("scales fit f16");
+        assert_eq!(nl.len(), want.len() / 32 * Iq4::Nl.type_size());
+        let mut got = vec![0f32; want.len()];
+        dequantize(Iq4::Nl, &nl, &mut got);
+        assert_eq!(got, reference(Iq4::Nl, &nl));
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= w.abs() * 2f32.powi(-11), "{g} vs {w}");
         }
     }
 
@@ -196,6 +184,6 @@ mod tests {
         // Sub-block 0's 6-bit ls = 0: a scale of -32 d, beyond f16's 65,504.
         bytes[4] &= !15;
         bytes[2] &= !3;
-        assert!(to_q8_0(Iq4::Xs, &bytes).is_none());
+        assert!(xs_to_nl(&bytes).is_none());
     }
 }

@@ -7,9 +7,11 @@
 //! - Q4_0 / Q5_0: `w = d_w * (q - 8|16)`   -> `d_w d_x sum(q x) - (8|16) d_w s_x`
 //! - Q4_1 / Q5_1: `w = d_w * q + m_w`      -> `d_w d_x sum(q x) + m_w s_x`
 //! - Q8_0:        `w = d_w * q` (signed)   -> `d_w d_x sum(q x)`
+//! - IQ4_NL:      `w = d_w * LEVELS[q]`    -> `d_w d_x sum(LEVELS[q] x)`
 //!
 //! with `q` unsigned (0..15, 0..31) so that AVX2's `vpmaddubsw` (u8 x i8) applies directly
-//! (Q8_0 through the sign trick), or AVX-512 VNNI's `vpdpbusd` where the CPU has it.
+//! (Q8_0 and IQ4_NL's signed levels through the sign trick), or AVX-512 VNNI's `vpdpbusd` where
+//! the CPU has it.
 //! The K-quants (Q2_K..Q6_K) go through [`super::kquant`]'s kernels against Q8_K activations
 //! (256 values a block).
 //!
@@ -18,10 +20,10 @@
 
 use std::sync::OnceLock;
 
-use candle_core::quantized::GgmlDType;
 use rayon::prelude::*;
 
-use super::formats::row_bytes;
+use super::formats::{Format, row_bytes};
+use super::iq4::LEVELS;
 use super::kquant::{self, ActQ8K, quantize_act_k};
 use crate::cpu_matmul::Isa;
 
@@ -198,21 +200,21 @@ fn f16_at(bytes: &[u8], at: usize) -> f32 {
 }
 
 /// Scalar reference of one weight row (simple formats) against one activation row.
-pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
+pub fn dot_portable(dtype: Format, row: &[u8], act: &ActQ8) -> f32 {
     let ts = dtype.type_size();
     let mut acc = 0f32;
     for (b, blk) in row.chunks_exact(ts).enumerate() {
         let x = &act.qs[b * QK..(b + 1) * QK];
         let d = f16_at(blk, 0);
         let (c, isum) = match dtype {
-            GgmlDType::Q8_0 => (0.0, (0..QK).map(|j| blk[2 + j] as i8 as i32 * x[j] as i32).sum::<i32>()),
-            GgmlDType::Q4_0 | GgmlDType::Q4_1 => {
-                let (c, qs) = if dtype == GgmlDType::Q4_0 { (-8.0 * d, &blk[2..18]) } else { (f16_at(blk, 2), &blk[4..20]) };
+            Format::Q8_0 => (0.0, (0..QK).map(|j| blk[2 + j] as i8 as i32 * x[j] as i32).sum::<i32>()),
+            Format::Q4_0 | Format::Q4_1 => {
+                let (c, qs) = if dtype == Format::Q4_0 { (-8.0 * d, &blk[2..18]) } else { (f16_at(blk, 2), &blk[4..20]) };
                 let isum = (0..16).map(|j| (qs[j] & 15) as i32 * x[j] as i32 + (qs[j] >> 4) as i32 * x[j + 16] as i32).sum();
                 (c, isum)
             }
-            GgmlDType::Q5_0 | GgmlDType::Q5_1 => {
-                let (c, at) = if dtype == GgmlDType::Q5_0 { (-16.0 * d, 2) } else { (f16_at(blk, 2), 4) };
+            Format::Q5_0 | Format::Q5_1 => {
+                let (c, at) = if dtype == Format::Q5_0 { (-16.0 * d, 2) } else { (f16_at(blk, 2), 4) };
                 let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
                 let qs = &blk[at + 4..at + 20];
                 let isum = (0..16)
@@ -223,6 +225,10 @@ pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
                     })
                     .sum();
                 (c, isum)
+            }
+            Format::Iq4Nl => {
+                let level = |q: u8| LEVELS[q as usize] as i32;
+                (0.0, (0..16).map(|j| level(blk[2 + j] & 15) * x[j] as i32 + level(blk[2 + j] >> 4) * x[j + 16] as i32).sum())
             }
             other => panic!("{other:?} is not a 32-value block format"),
         };
@@ -239,7 +245,7 @@ enum Acts {
 }
 
 /// `x [m, k] @ w.T` for `w` `[n, k]` in `dtype` blocks (row-major bytes): returns `[m, n]`.
-pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usize, path: Path) -> Vec<f32> {
+pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, path: Path) -> Vec<f32> {
     assert!(path.available(), "this CPU has no {path:?} path");
     let rb = row_bytes(dtype, k);
     assert_eq!(w.len(), n * rb, "weight bytes do not match [{n}, {k}] of {dtype:?}");
@@ -271,7 +277,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: GgmlDType, w: &[u8], n: usiz
     out
 }
 
-fn rows_q8(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8], dtype: GgmlDType, path: Path) {
+fn rows_q8(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8], dtype: Format, path: Path) {
     let m = acts.len();
     for (row, out) in w_rows.chunks_exact(rb).zip(out.chunks_exact_mut(m)) {
         // Batches: four activation rows per pass over the weight row, so each weight block is
@@ -307,9 +313,9 @@ fn rows_q8(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8], dtype: Ggm
 pub(crate) mod x86 {
     use std::arch::x86_64::*;
 
-    use candle_core::quantized::GgmlDType;
+    use crate::quant::formats::Format;
 
-    use super::{ActQ8, QK};
+    use super::{ActQ8, LEVELS, QK};
 
     /// An f16 at `p` (unaligned), widened.
     #[inline(always)]
@@ -353,7 +359,8 @@ pub(crate) mod x86 {
             if VNNI {
                 _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
             } else {
-                // u8 <= 31 (or <= 128 for Q8_0 magnitudes) times |i8| <= 127, twice: no i16 overflow.
+                // u8 <= 31 (or <= 128 for Q8_0's and IQ4_NL's magnitudes) times |i8| <= 127,
+                // twice: no i16 overflow.
                 _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
             }
         }
@@ -366,18 +373,34 @@ pub(crate) mod x86 {
     pub(crate) const Q5_0: u8 = 2;
     pub(crate) const Q5_1: u8 = 3;
     pub(crate) const Q8_0: u8 = 4;
+    pub(crate) const IQ4_NL: u8 = 5;
+
+    /// IQ4_NL's 16 levels in both 128-bit halves: `vpshufb` with it maps indices to levels.
+    #[inline(always)]
+    pub(crate) unsafe fn levels() -> __m256i {
+        // SAFETY: LEVELS is 16 readable bytes; AVX2 is enabled by every caller.
+        unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(LEVELS.as_ptr().cast())) }
+    }
+
+    /// IQ4_NL's 32 values of the block whose indices are at `p`, as signed bytes.
+    #[inline(always)]
+    unsafe fn iq4_values(p: *const u8) -> __m256i {
+        // SAFETY: 16 readable bytes at p (the caller's block); AVX2 is enabled by every caller.
+        unsafe { _mm256_shuffle_epi8(levels(), nibbles(p)) }
+    }
 
     /// `$body::<$vnni, F>($args)` with `F` the format constant of `dtype`. Only 32-value block
     /// formats reach here: `matmul` sends K-quants to `kquant`, and a `QMatrix`
-    /// holds only the formats `formats::supported` admits.
+    /// holds only [`Format`]s.
     macro_rules! by_format {
         ($dtype:expr, $body:ident::<$vnni:tt>($($arg:expr),*)) => {
             match $dtype {
-                GgmlDType::Q4_0 => $body::<$vnni, Q4_0>($($arg),*),
-                GgmlDType::Q4_1 => $body::<$vnni, Q4_1>($($arg),*),
-                GgmlDType::Q5_0 => $body::<$vnni, Q5_0>($($arg),*),
-                GgmlDType::Q5_1 => $body::<$vnni, Q5_1>($($arg),*),
-                GgmlDType::Q8_0 => $body::<$vnni, Q8_0>($($arg),*),
+                Format::Q4_0 => $body::<$vnni, Q4_0>($($arg),*),
+                Format::Q4_1 => $body::<$vnni, Q4_1>($($arg),*),
+                Format::Q5_0 => $body::<$vnni, Q5_0>($($arg),*),
+                Format::Q5_1 => $body::<$vnni, Q5_1>($($arg),*),
+                Format::Q8_0 => $body::<$vnni, Q8_0>($($arg),*),
+                Format::Iq4Nl => $body::<$vnni, IQ4_NL>($($arg),*),
                 other => unreachable!("{other:?} is not a 32-value block format (matmul routes the others)"),
             }
         };
@@ -392,7 +415,7 @@ pub(crate) mod x86 {
             /// The CPU must have the enabled features; `row` must hold `act.d.len()` blocks of
             /// `dtype`, a 32-value block format.
             #[target_feature(enable = $features)]
-            unsafe fn $name(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
+            unsafe fn $name(dtype: Format, row: &[u8], act: &ActQ8) -> f32 {
                 // SAFETY: forwarded contract.
                 unsafe { by_format!(dtype, dot_body::<$vnni>(row, act)) }
             }
@@ -409,7 +432,7 @@ pub(crate) mod x86 {
             /// # Safety
             /// As the single-row functions, for every one of the four activation rows.
             #[target_feature(enable = $features)]
-            unsafe fn $name(dtype: GgmlDType, row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
+            unsafe fn $name(dtype: Format, row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
                 // SAFETY: forwarded contract.
                 unsafe { by_format!(dtype, dot4_body::<$vnni>(row, acts)) }
             }
@@ -422,7 +445,7 @@ pub(crate) mod x86 {
     ///
     /// # Safety
     /// As [`dot4_avx2`] / [`dot4_vnni`].
-    pub unsafe fn dot4(vnni: bool, dtype: GgmlDType, row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
+    pub unsafe fn dot4(vnni: bool, dtype: Format, row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
         // SAFETY: forwarded contract.
         unsafe { if vnni { dot4_vnni(dtype, row, acts) } else { dot4_avx2(dtype, row, acts) } }
     }
@@ -456,6 +479,10 @@ pub(crate) mod x86 {
                     let q = _mm256_or_si256(nibbles(blk.add(8)), high_bits(blk.add(4)));
                     (q, q, d, f16_at(blk.add(2)))
                 }
+                IQ4_NL => {
+                    let w = iq4_values(blk.add(2));
+                    (_mm256_sign_epi8(w, w), w, d, 0.0)
+                }
                 _ => {
                     let w = _mm256_loadu_si256(blk.add(2).cast());
                     (_mm256_sign_epi8(w, w), w, d, 0.0)
@@ -478,7 +505,7 @@ pub(crate) mod x86 {
         // SAFETY: the caller's contract; the load is unaligned.
         unsafe {
             let x = _mm256_loadu_si256(act.qs.as_ptr().add(b * QK).cast());
-            let x = if F == Q8_0 { _mm256_sign_epi8(x, signs) } else { x };
+            let x = if F == Q8_0 || F == IQ4_NL { _mm256_sign_epi8(x, signs) } else { x };
             let sums = _mm256_cvtepi32_ps(dot_u8_i8::<VNNI>(q, x));
             (sums, d * *act.d.get_unchecked(b), c * *act.s.get_unchecked(b))
         }
@@ -491,7 +518,7 @@ pub(crate) mod x86 {
     #[inline(always)]
     unsafe fn dot4_body<const VNNI: bool, const F: u8>(row: &[u8], acts: [&ActQ8; 4]) -> [f32; 4] {
         let ts = match F {
-            Q4_0 => 18,
+            Q4_0 | IQ4_NL => 18,
             Q4_1 => 20,
             Q5_0 => 22,
             Q5_1 => 24,
@@ -554,7 +581,7 @@ pub(crate) mod x86 {
     ///
     /// # Safety
     /// As [`dot_avx2`] / [`dot_vnni`].
-    pub unsafe fn dot<const VNNI: bool>(dtype: GgmlDType, row: &[u8], act: &ActQ8) -> f32 {
+    pub unsafe fn dot<const VNNI: bool>(dtype: Format, row: &[u8], act: &ActQ8) -> f32 {
         // SAFETY: forwarded contract.
         unsafe { if VNNI { dot_vnni(dtype, row, act) } else { dot_avx2(dtype, row, act) } }
     }
@@ -579,6 +606,10 @@ pub(crate) mod x86 {
                 Q4_1 => (nibbles(blk.add(4)), x, f16_at(blk.add(2))),
                 Q5_0 => (_mm256_or_si256(nibbles(blk.add(6)), high_bits(blk.add(2))), x, -16.0 * d),
                 Q5_1 => (_mm256_or_si256(nibbles(blk.add(8)), high_bits(blk.add(4))), x, f16_at(blk.add(2))),
+                IQ4_NL => {
+                    let w = iq4_values(blk.add(2));
+                    (_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w), 0.0)
+                }
                 _ => {
                     let w = _mm256_loadu_si256(blk.add(2).cast());
                     (_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w), 0.0)
@@ -592,7 +623,7 @@ pub(crate) mod x86 {
     #[inline(always)]
     unsafe fn dot_body<const VNNI: bool, const F: u8>(row: &[u8], act: &ActQ8) -> f32 {
         let ts = match F {
-            Q4_0 => 18,
+            Q4_0 | IQ4_NL => 18,
             Q4_1 => 20,
             Q5_0 => 22,
             Q5_1 => 24,
@@ -640,28 +671,27 @@ pub(crate) mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::formats::{Sliced, dequantize, is_k_quant, quantize_matrix};
+    use super::super::formats::dequantize;
     use super::*;
-    use crate::test_values::{assert_within_activation_rounding, values};
+    use crate::test_values::{assert_within_activation_rounding, blocks, values};
 
     /// Every format on every path this CPU has, odd shapes included, against a plain f32
     /// matmul of the dequantized weights; and the simple formats' SIMD paths against the scalar
     /// integer reference (same quantized activations) to float rounding.
     #[test]
     fn every_format_matches_the_dequantized_reference_on_every_path() {
-        use GgmlDType::*;
+        use Format::*;
         let mut ran = Vec::new();
         for path in Path::ALL.into_iter().filter(|p| p.available()) {
             ran.push(path);
-            for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K] {
-                let shapes: &[(usize, usize, usize)] = if is_k_quant(dtype) {
+            for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Iq4Nl, Q2K, Q3K, Q4K, Q5K, Q6K] {
+                let shapes: &[(usize, usize, usize)] = if dtype.is_k_quant() {
                     &[(1, 256, 1), (1, 512, 37), (3, 768, 65), (9, 256, 33)]
                 } else {
                     &[(1, 32, 1), (1, 96, 37), (3, 576, 65), (9, 1536, 33), (2, 32, 70), (16, 64, 9), (4, 32, 3)]
                 };
                 for &(m, k, n) in shapes {
-                    let w = values(n * k, (m * k + n) as u64);
-                    let Sliced::Blocks { bytes, .. } = quantize_matrix(dtype, n, k, w) else { panic!() };
+                    let bytes = blocks(dtype, n, k, (m * k + n) as u64);
                     let mut wd = vec![0f32; n * k];
                     dequantize(dtype, &bytes, &mut wd);
                     let x = values(m * k, 99 + k as u64);
@@ -672,7 +702,7 @@ mod tests {
                             let g = got[i * n + j];
                             let at = format!("{path:?} {dtype:?} m{m} k{k} n{n} [{i},{j}]");
                             assert_within_activation_rounding(g, &wd[j * k..(j + 1) * k], &x[i * k..(i + 1) * k], &at);
-                            if !is_k_quant(dtype) {
+                            if !dtype.is_k_quant() {
                                 let reference = dot_portable(dtype, &bytes[j * row_bytes(dtype, k)..(j + 1) * row_bytes(dtype, k)], &act);
                                 assert!((g - reference).abs() <= 1e-4 * (1.0 + reference.abs()), "{path:?} {dtype:?} [{i},{j}]: {g} vs integer reference {reference}");
                             }
@@ -721,11 +751,11 @@ mod tests {
     /// bit for bit (the greedy tokens of a sequence cannot change with the batch).
     #[test]
     fn batched_rows_equal_single_rows_bitwise() {
-        use GgmlDType::*;
+        use Format::*;
         for path in Path::ALL.into_iter().filter(|p| p.available()) {
-            for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0] {
+            for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Iq4Nl] {
                 let (m, k, n) = (11, 32 * 7, 19);
-                let Sliced::Blocks { bytes, .. } = quantize_matrix(dtype, n, k, values(n * k, 5)) else { panic!() };
+                let bytes = blocks(dtype, n, k, 5);
                 let x = values(m * k, 6);
                 let batch = matmul(&x, m, k, dtype, &bytes, n, path);
                 for i in 0..m {

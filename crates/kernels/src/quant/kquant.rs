@@ -33,16 +33,15 @@
 //! has its own accumulators, a row's result does not depend on the batch it is in. The batched
 //! SIMD body unpacks a weight block once for up to four activation rows.
 
-use candle_core::quantized::GgmlDType;
-
+use super::formats::Format;
 use super::kernels::Path;
 
 /// Values per K-quant block.
 pub const QK_K: usize = 256;
 
 /// The K-quant formats with kernels here (all five).
-pub fn has_kernel(dtype: GgmlDType) -> bool {
-    matches!(dtype, GgmlDType::Q2K | GgmlDType::Q3K | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q6K)
+pub fn has_kernel(dtype: Format) -> bool {
+    matches!(dtype, Format::Q2K | Format::Q3K | Format::Q4K | Format::Q5K | Format::Q6K)
 }
 
 /// One row of activations quantized per 256 values: a scale per block, the bytes, and the
@@ -117,13 +116,13 @@ const fn has_mins(f: u8) -> bool {
     matches!(f, Q2K | Q4K | Q5K)
 }
 
-fn format_of(dtype: GgmlDType) -> u8 {
+fn format_of(dtype: Format) -> u8 {
     match dtype {
-        GgmlDType::Q2K => Q2K,
-        GgmlDType::Q3K => Q3K,
-        GgmlDType::Q4K => Q4K,
-        GgmlDType::Q5K => Q5K,
-        GgmlDType::Q6K => Q6K,
+        Format::Q2K => Q2K,
+        Format::Q3K => Q3K,
+        Format::Q4K => Q4K,
+        Format::Q5K => Q5K,
+        Format::Q6K => Q6K,
         other => panic!("{other:?} has no K-quant kernel here (see has_kernel)"),
     }
 }
@@ -267,7 +266,7 @@ fn hsum(a: [f32; 8]) -> f32 {
 }
 
 /// Scalar reference of one weight row of `dtype` (a K-quant) against one activation row.
-pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8K) -> f32 {
+pub fn dot_portable(dtype: Format, row: &[u8], act: &ActQ8K) -> f32 {
     let f = format_of(dtype);
     let ts = block_bytes(f);
     assert_eq!(row.len(), act.d.len() * ts, "a weight row of {dtype:?} against {} activation blocks", act.d.len());
@@ -289,7 +288,7 @@ pub fn dot_portable(dtype: GgmlDType, row: &[u8], act: &ActQ8K) -> f32 {
 /// `out[r * m + i]` = weight row r of `w_rows` (rows of `rb` bytes of `dtype`) dotted with
 /// activation row i (`m = acts.len()`): the one place a path is taken for these formats. The
 /// SIMD path unpacks each weight block once for up to four activation rows.
-pub fn rows(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8K], dtype: GgmlDType, path: Path) {
+pub fn rows(out: &mut [f32], w_rows: &[u8], rb: usize, acts: &[ActQ8K], dtype: Format, path: Path) {
     let m = acts.len();
     let f = format_of(dtype);
     let blocks = rb / block_bytes(f);
@@ -575,7 +574,7 @@ mod tests {
     use super::*;
     use crate::test_values::{assert_within_activation_rounding, blocks, values};
 
-    const FORMATS: [GgmlDType; 5] = [GgmlDType::Q2K, GgmlDType::Q3K, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+    const FORMATS: [Format; 5] = [Format::Q2K, Format::Q3K, Format::Q4K, Format::Q5K, Format::Q6K];
 
     fn paths() -> Vec<Path> {
         Path::ALL.into_iter().filter(|p| p.available()).collect()
@@ -657,10 +656,10 @@ mod tests {
                 let row = &bytes[j * rb..(j + 1) * rb];
                 let ours = dot_portable(dtype, row, &act);
                 let theirs = match dtype {
-                    GgmlDType::Q2K => candle::<BlockQ2K>(row, &x),
-                    GgmlDType::Q3K => candle::<BlockQ3K>(row, &x),
-                    GgmlDType::Q4K => candle::<BlockQ4K>(row, &x),
-                    GgmlDType::Q5K => candle::<BlockQ5K>(row, &x),
+                    Format::Q2K => candle::<BlockQ2K>(row, &x),
+                    Format::Q3K => candle::<BlockQ3K>(row, &x),
+                    Format::Q4K => candle::<BlockQ4K>(row, &x),
+                    Format::Q5K => candle::<BlockQ5K>(row, &x),
                     _ => candle::<BlockQ6K>(row, &x),
                 };
                 assert!((ours - theirs).abs() <= 1e-5 * (1.0 + theirs.abs()), "{dtype:?} row {j}: {ours} vs candle {theirs}");
