@@ -28,7 +28,7 @@ fn load(name: &str, quant: QuantMode) -> (Model, Arc<LoadProgress>) {
 /// Per fixture and format: f32 greedy tokens, then both loads teacher-forced over them.
 #[test]
 fn quantized_fixtures_stay_close_to_the_f32_path() {
-    use candle_core::quantized::GgmlDType::{Q4_0, Q4K, Q8_0};
+    use tpserve::model::quant::Format::{Q4_0, Q4K, Q8_0};
     for name in ["qwen3_a", "qwen3_b", "qwen3_c_bf16", "qwen3_5_dense", "qwen3_moe", "qwen3_5_moe"] {
         let (reference, _) = load(name, QuantMode::Off);
         for format in [Q8_0, Q4_0, Q4K] {
@@ -70,7 +70,7 @@ fn quantized_fixtures_stay_close_to_the_f32_path() {
 /// and the group's tokens equal the in-process TP 1 quantized run's.
 #[test]
 fn quantized_tp2_matches_quantized_tp1() {
-    use candle_core::quantized::GgmlDType::Q8_0;
+    use tpserve::model::quant::Format::Q8_0;
     let name = "qwen3_a";
     let (model, _) = load(name, QuantMode::To(Q8_0));
     let prompts: Vec<Vec<u32>> = common::expected(name).into_iter().map(|p| p.ids).collect();
@@ -85,7 +85,7 @@ fn quantized_tp2_matches_quantized_tp1() {
 /// agree to 1e-7 above). A bad `--quantize` fails `serve` with a message that lists the formats.
 #[test]
 fn serve_quantizes_at_load_and_reports_each_rank() {
-    use candle_core::quantized::GgmlDType::Q8_0;
+    use tpserve::model::quant::Format::Q8_0;
     use tpserve::proto::v1 as pb;
     let name = "qwen3_a";
     let server = common::Served::start_with(name, 2, &["--quantize", "q8_0"]);
