@@ -40,8 +40,10 @@ case "$SHAPE" in
   moe) NAME=qwen3-moe-1.8b-a0.3b ;;
   *) echo "SHAPE must be dense or moe" >&2; exit 2 ;;
 esac
-FORMATS=(Q8_0 Q4_0 Q4_K_M IQ4_XS)
-[ "$SHAPE" = moe ] || FORMATS+=(F16)
+# FORMATS (space-separated) picks some of the files; by default every one.
+DEFAULT_FORMATS="Q8_0 Q4_0 Q4_K_M IQ4_XS"
+[ "$SHAPE" = moe ] || DEFAULT_FORMATS+=" F16"
+read -ra FORMATS <<< "${FORMATS:-$DEFAULT_FORMATS}"
 mkdir -p "$WORK"
 if [ ! -f "$WORK/$NAME.Q8_0.gguf" ]; then
   "$PYTHON" - "$WORK/$NAME" tests/fixtures/qwen3_chat "$SHAPE" <<'EOF'
