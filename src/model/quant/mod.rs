@@ -38,6 +38,7 @@ pub enum QuantMode {
 }
 
 /// Rows of one format inside a [`QMatrix`] (the fused q/k/v of a Q4_K_M file mixes formats).
+#[derive(Clone)]
 pub struct Segment {
     /// the block format, or None for a dense f32 part
     pub format: Option<Format>,
@@ -60,6 +61,33 @@ impl Segment {
         with_bytes(&self.data, |bytes| {
             if interleaved::packable(dtype) { interleaved::unpack(dtype, self.rows, cols, bytes) } else { bytes.to_vec() }
         })
+    }
+
+    /// `segments` of format `dtype` stacked into one. Their held bytes are appended where that
+    /// is the stack's layout: a format in row layout, or an interleaved one where every segment
+    /// but the last is whole groups of eight rows (as the fused q/k/v and gate/up of a model
+    /// are). Others go through GGML's row layout and are interleaved anew.
+    fn stack(dtype: Format, cols: usize, mut segments: Vec<Segment>) -> Result<Self> {
+        if segments.len() == 1 {
+            return Ok(segments.pop().expect("one segment"));
+        }
+        let rows = segments.iter().map(|s| s.rows).sum();
+        let whole_groups = segments[..segments.len() - 1].iter().all(|s| s.rows % interleaved::GROUP == 0);
+        if interleaved::packable(dtype) && !whole_groups {
+            let mut bytes = Vec::new();
+            for s in &segments {
+                bytes.extend(s.row_major_bytes(dtype, cols)?);
+            }
+            return Segment::blocks(dtype, rows, cols, bytes);
+        }
+        let rb = formats::row_bytes(dtype, cols);
+        let mut bytes = Vec::with_capacity(rows * rb);
+        // a resident weight, as `interleaved::pack`'s output is
+        tpserve_kernels::pages::advise_unwritten(bytes.spare_capacity_mut());
+        for s in &segments {
+            with_bytes(&s.data, |held| bytes.extend_from_slice(held))?;
+        }
+        Ok(Segment { format: Some(dtype), rows, data: Tensor::from_vec(bytes, (rows, rb), &Device::Cpu)? })
     }
 
     /// Its format's GGUF name (`q4_k`), or `f32`.
@@ -217,10 +245,10 @@ impl Weight {
             return Weight::dense(Tensor::cat(&dense, 0)?, products);
         }
         let cols = parts[0].dims2()?.1;
-        // Consecutive parts of one format merge into one segment: their row-major blocks (or
-        // f32 rows) are concatenated, then held as a segment again (interleaved anew).
+        // Consecutive parts of one format merge into one segment ([`Segment::stack`]; f32 rows
+        // concatenated).
         enum Run {
-            Blocks(Format, usize, Vec<u8>),
+            Blocks(Format, Vec<Segment>),
             Dense(Vec<Tensor>),
         }
         let mut runs: Vec<Run> = Vec::new();
@@ -237,20 +265,15 @@ impl Weight {
                 Weight::Quant(q) => q
                     .segments
                     .iter()
-                    .map(|s| {
-                        Ok(match s.format {
-                            Some(dtype) => Run::Blocks(dtype, s.rows, s.row_major_bytes(dtype, cols)?),
-                            None => Run::Dense(vec![s.data.clone()]),
-                        })
+                    .map(|s| match s.format {
+                        Some(dtype) => Run::Blocks(dtype, vec![s.clone()]),
+                        None => Run::Dense(vec![s.data.clone()]),
                     })
-                    .collect::<Result<_>>()?,
+                    .collect(),
             };
             for piece in pieces {
                 match (runs.last_mut(), piece) {
-                    (Some(Run::Blocks(dtype, run_rows, bytes)), Run::Blocks(d, r, more)) if *dtype == d => {
-                        bytes.extend_from_slice(&more);
-                        *run_rows += r;
-                    }
+                    (Some(Run::Blocks(dtype, segments)), Run::Blocks(d, more)) if *dtype == d => segments.extend(more),
                     (Some(Run::Dense(tensors)), Run::Dense(more)) => tensors.extend(more),
                     (_, piece) => runs.push(piece),
                 }
@@ -259,7 +282,7 @@ impl Weight {
         let segments = runs
             .into_iter()
             .map(|run| match run {
-                Run::Blocks(dtype, rows, bytes) => Segment::blocks(dtype, rows, cols, bytes),
+                Run::Blocks(dtype, segments) => Segment::stack(dtype, cols, segments),
                 Run::Dense(tensors) => {
                     let data = Tensor::cat(&tensors, 0)?;
                     Ok(Segment { format: None, rows: data.dims2()?.0, data })
@@ -362,18 +385,27 @@ mod tests {
         let a = Weight::from_sliced(formats::quantize_matrix(Format::Q4K, 5, k, values(5 * k, 1)), &Device::Cpu).unwrap();
         let b = Weight::from_sliced(formats::quantize_matrix(Format::Q6K, 3, k, values(3 * k, 2)), &Device::Cpu).unwrap();
         let c = Weight::Dense(Tensor::from_vec(values(2 * k, 3), (2, k), &Device::Cpu).unwrap());
-        // interleaved formats, two adjacent parts of one merged (9 + 9 rows: two whole groups
-        // and a tail once merged)
+        // interleaved formats, two adjacent parts of one merged: 9 + 9 rows (two whole groups and
+        // a tail once merged: interleaved anew) and 16 + 11 (their held bytes appended)
         let d = Weight::from_sliced(formats::quantize_matrix(Format::Q4_1, 9, k, values(9 * k, 5)), &Device::Cpu).unwrap();
+        let f = Weight::from_sliced(formats::quantize_matrix(Format::Q8_0, 16, k, values(16 * k, 7)), &Device::Cpu).unwrap();
         let e = Weight::from_sliced(formats::quantize_matrix(Format::Q8_0, 11, k, values(11 * k, 6)), &Device::Cpu).unwrap();
-        let w = Weight::cat_rows(vec![a.clone(), b.clone(), a, c, d.clone(), d, e]).unwrap();
-        let rows = 15 + 18 + 11;
+        let parts = vec![a.clone(), b.clone(), a, c, d.clone(), d, f, e];
+        let w = Weight::cat_rows(parts.clone()).unwrap();
+        let rows = 15 + 18 + 16 + 11;
         assert_eq!(w.dims2().unwrap(), (rows, k));
         assert_eq!(w.format(), "q4_k+q6_k+f32+q4_1+q8_0");
         let Weight::Quant(q) = &w else { panic!() };
         assert_eq!(q.segments.len(), 6, "the two q4_1 parts merge");
         let ids = Tensor::from_vec((0..rows as u32).collect::<Vec<_>>(), rows, &Device::Cpu).unwrap();
         let dense = w.rows_f32(&ids).unwrap();
+        // every row is its part's
+        let rows_of = |p: &Weight| {
+            let n = p.dims2().unwrap().0 as u32;
+            p.rows_f32(&Tensor::from_vec((0..n).collect::<Vec<_>>(), n as usize, &Device::Cpu).unwrap()).unwrap()
+        };
+        let stacked = Tensor::cat(&parts.iter().map(rows_of).collect::<Vec<_>>(), 0).unwrap();
+        assert_eq!(dense.to_vec2::<f32>().unwrap(), stacked.to_vec2::<f32>().unwrap());
         let x = Tensor::from_vec(values(m * k, 4), (m, k), &Device::Cpu).unwrap();
         let got = w.matmul_t(&x).unwrap().to_vec2::<f32>().unwrap();
         let want = x.matmul(&dense.t().unwrap()).unwrap().to_vec2::<f32>().unwrap();
