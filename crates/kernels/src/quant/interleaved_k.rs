@@ -120,21 +120,44 @@ pub(super) fn pack_block(kq: KQuant, rows: [&[u8]; GROUP], out: &mut [u8]) {
         for (i, &at) in l.f16s.iter().enumerate() {
             out[16 * i + 2 * r..16 * i + 2 * r + 2].copy_from_slice(&blk[at..at + 2]);
         }
-        let values = (kq == KQuant::Q6K).then(|| q6k_values(blk));
-        for c in 0..l.chunks {
-            let lane = &mut out[l.chunk(c) + 4 * r..l.chunk(c) + 4 * r + 4];
-            match &values {
-                // Q4_K, Q5_K: GGML's words past d and dmin, in order
-                None => lane.copy_from_slice(&blk[4 + 4 * c..8 + 4 * c]),
-                Some(_) if c < 4 => lane.copy_from_slice(&blk[Q6K_BLOCK_SCALES + 4 * c..Q6K_BLOCK_SCALES + 4 * c + 4]),
-                Some(values) => {
-                    for (e, byte) in lane.iter_mut().enumerate() {
-                        *byte = q6k_value_byte(values, c - 4, e);
-                    }
+        let mut lane = |c: usize, word: &[u8]| out[l.chunk(c) + 4 * r..l.chunk(c) + 4 * r + 4].copy_from_slice(word);
+        if kq != KQuant::Q6K {
+            // Q4_K, Q5_K: GGML's words past d and dmin, in order
+            for c in 0..l.chunks {
+                lane(c, &blk[4 + 4 * c..8 + 4 * c]);
+            }
+            continue;
+        }
+        for c in 0..4 {
+            lane(c, &blk[Q6K_BLOCK_SCALES + 4 * c..Q6K_BLOCK_SCALES + 4 * c + 4]);
+        }
+        for h in 0..2 {
+            for i in 0..8 {
+                for (j, word) in q6k_value_words(blk, h, i).into_iter().enumerate() {
+                    lane(4 + 3 * (8 * h + i) + j, &word.to_le_bytes());
                 }
             }
         }
     }
+}
+
+/// A row's lane words of Q6_K value chunks `3(8h + i) + j`, j = 0..3, from its GGML block:
+/// [`q6k_value_byte`]'s bytes four at a time, each byte of a word a value `l = 4i + e` of half
+/// `h` (the packing read the 256 values one by one before, which made Q6_K a third of a
+/// Q4_0 file's load).
+fn q6k_value_words(blk: &[u8], h: usize, i: usize) -> [u32; 3] {
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const LOW2: u32 = 0x0303_0303;
+    let word = |at: usize| u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+    let (ql0, ql1, qh) = (word(64 * h + 4 * i), word(64 * h + 32 + 4 * i), word(Q6K_QH + 32 * h + 4 * i));
+    // values 128h + 32t + 4i + e for t = 0..4, as GGML's dequantization assembles them
+    let t = [
+        (ql0 & LOW4) | ((qh & LOW2) << 4),
+        (ql1 & LOW4) | (((qh >> 2) & LOW2) << 4),
+        ((ql0 >> 4) & LOW4) | (((qh >> 4) & LOW2) << 4),
+        ((ql1 >> 4) & LOW4) | (((qh >> 6) & LOW2) << 4),
+    ];
+    std::array::from_fn(|j| t[j] | (((t[3] >> (2 * j)) & LOW2) << 6))
 }
 
 /// Row `r`'s block out of group-block `group` (the inverse of [`pack_block`]).
@@ -162,6 +185,7 @@ pub(super) fn unpack_block(kq: KQuant, group: &[u8], r: usize, out: &mut [u8]) {
 }
 
 /// The 256 six-bit values (`q`, meaning `q - 32`) of a GGML Q6_K block.
+#[cfg(test)]
 fn q6k_values(blk: &[u8]) -> [u8; QK_K] {
     std::array::from_fn(|v| {
         let (h, t, l) = (v / 128, v % 128 / 32, v % 32);
@@ -171,7 +195,9 @@ fn q6k_values(blk: &[u8]) -> [u8; QK_K] {
 }
 
 /// Byte `e` of a row's lane in Q6_K value chunk `c = 3(8h + i) + j`: value `128h + 32j + 4i + e`
-/// with bits `2j, 2j + 1` of value `128h + 96 + 4i + e` on top.
+/// with bits `2j, 2j + 1` of value `128h + 96 + 4i + e` on top: the layout's definition, the
+/// reference of [`q6k_value_words`].
+#[cfg(test)]
 fn q6k_value_byte(values: &[u8; QK_K], c: usize, e: usize) -> u8 {
     let (h, i, j) = (c / 24, c / 3 % 8, c % 3);
     let at = 128 * h + 4 * i + e;
@@ -608,6 +634,21 @@ mod tests {
     use crate::test_values::{assert_within_activation_rounding, blocks, values};
 
     const FORMATS: [Format; 3] = [Format::Q4K, Format::Q5K, Format::Q6K];
+
+    /// The Q6_K packing's words are the layout's bytes, value by value, on blocks of every bit
+    /// pattern the generator gives.
+    #[test]
+    fn q6k_value_words_are_the_layouts_bytes() {
+        let bytes = blocks(Format::Q6K, 4, 256, 21);
+        for blk in bytes.chunks_exact(Q6K.block) {
+            let values = q6k_values(blk);
+            for c in 0..48 {
+                let (h, i, j) = (c / 24, c / 3 % 8, c % 3);
+                let word = q6k_value_words(blk, h, i)[j].to_le_bytes();
+                assert_eq!(word, std::array::from_fn(|e| q6k_value_byte(&values, c, e)), "chunk {c}");
+            }
+        }
+    }
 
     /// Packing keeps the size, `unpack` and `row` invert it, on three 256-blocks a row.
     #[test]
