@@ -2,7 +2,8 @@
 
     python bench_llamacpp.py decode MODEL.gguf PROMPT.json NEW THREADS   -> JSON on stdout
         (decode and prompt tokens/s, the seconds Llama() took to open the model, the greedy ids)
-    python bench_llamacpp.py requantize IN.gguf OUT.gguf q8_0|q4_0|q4_k|q6_k|iq4_xs|f16  (llama_model_quantize)
+    python bench_llamacpp.py requantize IN.gguf OUT.gguf q8_0|q4_0|q4_k|q5_k|q6_k|q3_k|q2_k|iq4_xs|f16  (llama_model_quantize;
+        q4_k, q5_k, q3_k: the _M mixes)
     python bench_llamacpp.py reference MODEL.gguf EXPECTED.json NEW > OUT.json
         llama.cpp's greedy ids for each prompt of a fixture's expected.json (the reference
         tests/fixtures/smollm2_135m/llamacpp_greedy.json was made this way)
@@ -65,8 +66,11 @@ def reference(model, expected, new):
 def requantize(src, dst, kind):
     import llama_cpp
 
+    kind = kind.removesuffix("_m")  # q4_k_m: the Q4_K_M mix, as q4_k
     ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
              "q4_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "q6_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K,
+             "q5_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M, "q3_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q3_K_M,
+             "q2_k": llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K,
              "iq4_xs": llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_XS, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}[kind]
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
