@@ -112,18 +112,30 @@ fn attend_on_host(
 
 /// The `n` query rows `q` ([n, q_heads * head_dim]) of a sequence, the first at position
 /// `start`, each against the positions of `history` it may see: [n * q_heads * head_dim].
+///
+/// KV head by KV head, each over the rows in order: a thread's consecutive rows then read the
+/// same head's keys and values (2 MiB at 2,048 positions of head_dim 128) while they are in
+/// cache. Row by row, every head's (16 MiB for 8 heads) went through the cache for each row.
 fn attend_rows_in_place<T: KvElement>(q: &[f32], n: usize, history: &[HostBlock<'_, T>], start: usize, kv_heads: usize, head_dim: usize, spread: Spread) -> Vec<f32> {
     let width = q.len() / n.max(1);
-    let rows: Vec<Vec<f32>> = (0..n)
+    let per_head = width / kv_heads; // a KV head's query heads' outputs in a row
+    let heads: Vec<Vec<f32>> = (0..kv_heads)
         .into_par_iter()
-        .map(|r| {
-            let q = &q[r * width..(r + 1) * width];
-            let visible = visible_prefix(history, start + r + 1);
-            let heads: Vec<Vec<f32>> = (0..kv_heads).into_par_iter().map(|kv| attend_one(q, &visible, kv_heads, head_dim, kv, spread)).collect();
-            heads.concat()
+        .map(|kv| {
+            let rows: Vec<Vec<f32>> = (0..n)
+                .into_par_iter()
+                .map(|r| attend_one(&q[r * width..(r + 1) * width], &visible_prefix(history, start + r + 1), kv_heads, head_dim, kv, spread))
+                .collect();
+            rows.concat() // [n, per_head]
         })
         .collect();
-    rows.concat()
+    let mut out = vec![0f32; n * width];
+    for (kv, head) in heads.iter().enumerate() {
+        for (r, row) in head.chunks_exact(per_head).enumerate() {
+            out[r * width + kv * per_head..r * width + (kv + 1) * per_head].copy_from_slice(row);
+        }
+    }
+    out
 }
 
 /// The first `positions` positions of `history` (causal attention: what one query row sees).
