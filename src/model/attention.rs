@@ -14,7 +14,7 @@
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
-use tpserve_kernels::attention::{HostBlock, KvElement, Spread, attend_one};
+use tpserve_kernels::attention::{self as kernel, HostBlock, KvElement, Spread, attend_one, visible_prefix};
 
 use super::SequenceInput;
 use super::paged::{HostHistory, LayerBlocks};
@@ -110,23 +110,39 @@ fn attend_on_host(
     Ok(outputs)
 }
 
+/// Query rows whose scores [`attend_rows`] computes together: each chunk of keys read once for
+/// their query vectors (16 for two query heads per KV head) while it is in L1.
+const ROWS_PER_TILE: usize = 8;
+
 /// The `n` query rows `q` ([n, q_heads * head_dim]) of a sequence, the first at position
 /// `start`, each against the positions of `history` it may see: [n * q_heads * head_dim].
 ///
-/// KV head by KV head, each over the rows in order: a thread's consecutive rows then read the
-/// same head's keys and values (2 MiB at 2,048 positions of head_dim 128) while they are in
-/// cache. Row by row, every head's (16 MiB for 8 heads) went through the cache for each row.
+/// KV head by KV head, each over tiles of [`ROWS_PER_TILE`] rows in order: a thread's
+/// consecutive tiles read the same head's keys and values (2 MiB at 2,048 positions of head_dim
+/// 128) while they are in cache. Row by row, every head's (16 MiB for 8 heads) went through the
+/// cache for each row. Either way each row's result is [`attend_one`]'s, bit for bit; with few
+/// tasks (`Spread::Threads`: a decode step at batch 1) the rows go one by one, each spreading a
+/// long history's passes over the threads.
 fn attend_rows_in_place<T: KvElement>(q: &[f32], n: usize, history: &[HostBlock<'_, T>], start: usize, kv_heads: usize, head_dim: usize, spread: Spread) -> Vec<f32> {
     let width = q.len() / n.max(1);
     let per_head = width / kv_heads; // a KV head's query heads' outputs in a row
+    let tile = if spread == Spread::Serial { ROWS_PER_TILE } else { 1 };
     let heads: Vec<Vec<f32>> = (0..kv_heads)
         .into_par_iter()
         .map(|kv| {
-            let rows: Vec<Vec<f32>> = (0..n)
+            let tiles: Vec<Vec<f32>> = (0..n.div_ceil(tile))
                 .into_par_iter()
-                .map(|r| attend_one(&q[r * width..(r + 1) * width], &visible_prefix(history, start + r + 1), kv_heads, head_dim, kv, spread))
+                .map(|t| {
+                    let (first, rows) = (t * tile, tile.min(n - t * tile));
+                    let q = &q[first * width..(first + rows) * width];
+                    if rows == 1 {
+                        attend_one(q, &visible_prefix(history, start + first + 1), kv_heads, head_dim, kv, spread)
+                    } else {
+                        kernel::attend_rows(q, rows, history, start + first + 1, kv_heads, head_dim, kv)
+                    }
+                })
                 .collect();
-            rows.concat() // [n, per_head]
+            tiles.concat() // [n, per_head]
         })
         .collect();
     let mut out = vec![0f32; n * width];
@@ -136,21 +152,6 @@ fn attend_rows_in_place<T: KvElement>(q: &[f32], n: usize, history: &[HostBlock<
         }
     }
     out
-}
-
-/// The first `positions` positions of `history` (causal attention: what one query row sees).
-fn visible_prefix<'a, T>(history: &[HostBlock<'a, T>], positions: usize) -> Vec<HostBlock<'a, T>> {
-    let mut visible = Vec::with_capacity(history.len());
-    let mut left = positions;
-    for block in history {
-        if left == 0 {
-            break;
-        }
-        let taken = block.positions.min(left);
-        visible.push(HostBlock { positions: taken, ..*block });
-        left -= taken;
-    }
-    visible
 }
 
 /// Query rows a prompt's attention takes at a time on a CPU (see [`attend`]).

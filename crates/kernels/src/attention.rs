@@ -171,6 +171,19 @@ mod x86 {
                 /// # Safety
                 /// The CPU has the features enabled here.
                 #[target_feature(enable = $features)]
+                pub unsafe fn tile_scores<T: KvElement>(
+                    queries: &[&[f32]],
+                    history: &[HostBlock<'_, T>],
+                    kv_heads: usize,
+                    head_dim: usize,
+                    kv: usize,
+                ) -> Vec<f32> {
+                    crate::attention::tile_scores::<T, true>(queries, history, kv_heads, head_dim, kv)
+                }
+
+                /// # Safety
+                /// The CPU has the features enabled here.
+                #[target_feature(enable = $features)]
                 pub unsafe fn softmax(probs: &mut [f32], scale: f32, isa: Isa) {
                     crate::attention::softmax(probs, scale, isa)
                 }
@@ -197,6 +210,71 @@ mod x86 {
 
     phases!(avx2, "avx2,fma,f16c");
     phases!(avx512, "avx512f,f16c");
+}
+
+/// The attention of `rows` consecutive query rows of one sequence (a prompt's), for the query
+/// heads of KV head `kv`: `q_rows` is `[rows, q_heads * head_dim]`; row r sees the first
+/// `first + r` positions of `history`, which holds at least `first + rows - 1`. Returns
+/// `[rows, q_heads / kv_heads * head_dim]`, the same bits as [`attend_one`] row by row: the
+/// scores are the same sums, computed for every query vector of the rows (each row's heads of
+/// the group) against each chunk of keys while it is in L1, where row by row each row read its
+/// whole history's keys from L2 or beyond; the softmax and the value passes are each row's own.
+pub fn attend_rows<T: KvElement>(q_rows: &[f32], rows: usize, history: &[HostBlock<'_, T>], first: usize, kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
+    attend_rows_with(q_rows, rows, history, first, kv_heads, head_dim, kv, Isa::selected())
+}
+
+/// [`attend_rows`] on a given path. Panics if the CPU does not have it.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_rows_with<T: KvElement>(
+    q_rows: &[f32],
+    rows: usize,
+    history: &[HostBlock<'_, T>],
+    first: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    kv: usize,
+    isa: Isa,
+) -> Vec<f32> {
+    assert!(isa.available(), "this CPU has no {isa:?} path");
+    assert!(rows > 0 && first > 0 && q_rows.len().is_multiple_of(rows), "q_rows is not [{rows}, width] for rows seeing {first} positions on");
+    let width = q_rows.len() / rows;
+    assert!(head_dim > 0 && kv < kv_heads && width.is_multiple_of(head_dim * kv_heads), "a row is not [q_heads * {head_dim}] for {kv_heads} KV heads");
+    let last = first + rows - 1;
+    let history = visible_prefix(history, last);
+    assert_eq!(history.iter().map(|b| b.positions).sum::<usize>(), last, "the history does not hold the last row's {last} positions");
+    #[cfg(target_arch = "x86_64")]
+    let isa = if isa != Isa::Portable && !std::is_x86_feature_detected!("f16c") { Isa::Portable } else { isa };
+    let group = width / head_dim / kv_heads;
+    // every row's query vectors of the group, row by row: [rows * group][head_dim]
+    let queries: Vec<&[f32]> =
+        q_rows.chunks_exact(width).flat_map(|q| q[kv * group * head_dim..(kv + 1) * group * head_dim].chunks_exact(head_dim)).collect();
+    let scores = dispatch!(isa, tile_scores(&queries, &history, kv_heads, head_dim, kv)); // [rows * group, last]
+    let mut out = Vec::with_capacity(rows * group * head_dim);
+    for r in 0..rows {
+        let total = first + r;
+        let mut probs = vec![0f32; group * total]; // [group, total]
+        for (g, probs) in probs.chunks_exact_mut(total).enumerate() {
+            probs.copy_from_slice(&scores[(r * group + g) * last..(r * group + g) * last + total]);
+        }
+        let visible = visible_prefix(&history, total);
+        out.extend(weigh_values(probs, total, &visible, &passes(&visible), kv_heads, head_dim, kv, isa, Spread::Serial));
+    }
+    out
+}
+
+/// The first `positions` positions of `history` (causal attention: what one query row sees).
+pub fn visible_prefix<'a, T>(history: &[HostBlock<'a, T>], positions: usize) -> Vec<HostBlock<'a, T>> {
+    let mut visible = Vec::with_capacity(history.len());
+    let mut left = positions;
+    for block in history {
+        if left == 0 {
+            break;
+        }
+        let taken = block.positions.min(left);
+        visible.push(HostBlock { positions: taken, ..*block });
+        left -= taken;
+    }
+    visible
 }
 
 /// Positions each query head of a KV head reads before the next head reads the same ones: their
@@ -267,6 +345,24 @@ fn attend<T: KvElement>(q: &[f32], history: &[HostBlock<'_, T>], kv_heads: usize
             probs[g * total + pass.at..g * total + pass.at + pass.positions].copy_from_slice(scores);
         }
     }
+    weigh_values(probs, total, history, &passes, kv_heads, head_dim, kv, isa, spread)
+}
+
+/// The second half of [`attend`]: softmax of the scores `probs` ([group, total]) per head,
+/// then the probability-weighted sums of the value rows, pass by pass, added in order.
+#[allow(clippy::too_many_arguments)]
+fn weigh_values<T: KvElement>(
+    mut probs: Vec<f32>,
+    total: usize,
+    history: &[HostBlock<'_, T>],
+    passes: &[Pass],
+    kv_heads: usize,
+    head_dim: usize,
+    kv: usize,
+    isa: Isa,
+    spread: Spread,
+) -> Vec<f32> {
+    let group = probs.len() / total;
     let scale = 1.0 / (head_dim as f32).sqrt();
     for probs in probs.chunks_exact_mut(total) {
         match isa {
@@ -278,7 +374,7 @@ fn attend<T: KvElement>(q: &[f32], history: &[HostBlock<'_, T>], kv_heads: usize
             _ => softmax(probs, scale, isa),
         }
     }
-    let sums = in_passes(&passes, spread, |pass| {
+    let sums = in_passes(passes, spread, |pass| {
         let blocks = &history[pass.blocks.clone()];
         dispatch!(isa, pass_values(&probs, total, pass.at..pass.at + pass.positions, blocks, kv_heads, head_dim, kv, isa))
     });
@@ -560,6 +656,58 @@ fn chunk_scores<const C: usize, T: KvElement, const F16C: bool>(q: &[f32], chunk
     acc
 }
 
+/// The scores of every query vector of `queries` against every position of `history`:
+/// [queries, positions]. Each whole chunk of keys is read once for the queries four at a time,
+/// while it is in L1; every score is [`chunk_scores`]' sum, in the same order.
+#[inline(always)]
+fn tile_scores<T: KvElement, const F16C: bool>(queries: &[&[f32]], history: &[HostBlock<'_, T>], kv_heads: usize, head_dim: usize, kv: usize) -> Vec<f32> {
+    let total: usize = history.iter().map(|b| b.positions).sum();
+    let chunks = score_chunks(history, kv_heads, head_dim, kv);
+    let mut scores = vec![0f32; queries.len() * total];
+    for chunk in &chunks.whole {
+        for (i, quad) in queries.chunks(4).enumerate() {
+            let mut store = |j: usize, acc: &[f32; SCORE_CHUNK]| {
+                let at = (4 * i + j) * total + chunk.at;
+                scores[at..at + chunk.len].copy_from_slice(&acc[..chunk.len]);
+            };
+            if let &[a, b, c, d] = quad {
+                for (j, acc) in queries_scores::<4, T, F16C>([a, b, c, d], chunk).iter().enumerate() {
+                    store(j, acc);
+                }
+            } else {
+                for (j, &q) in quad.iter().enumerate() {
+                    store(j, &queries_scores::<1, T, F16C>([q], chunk)[0]);
+                }
+            }
+        }
+    }
+    for (q, scores) in queries.iter().zip(scores.chunks_exact_mut(total)) {
+        partial_scores(q, &chunks.partial, scores);
+    }
+    scores
+}
+
+/// The `SCORE_CHUNK` scores of one whole chunk for each of `Q` queries: `acc[i][l] = sum_d
+/// q_i[d] * k[d][l]`, in order of `d`, as [`chunk_scores`] sums them.
+#[inline(always)]
+fn queries_scores<const Q: usize, T: KvElement, const F16C: bool>(queries: [&[f32]; Q], chunk: &ScoreChunk<'_, T>) -> [[f32; SCORE_CHUNK]; Q] {
+    let head_dim = queries[0].len();
+    let queries = queries.map(|q| &q[..head_dim]);
+    let keys = &chunk.keys_t[..(head_dim.max(1) - 1) * chunk.block_size + SCORE_CHUNK];
+    let mut acc = [[0f32; SCORE_CHUNK]; Q];
+    for d in 0..head_dim {
+        let k: &[T; SCORE_CHUNK] = keys[d * chunk.block_size..d * chunk.block_size + SCORE_CHUNK].try_into().expect("SCORE_CHUNK elements");
+        let k = T::widen_run::<F16C, SCORE_CHUNK>(k);
+        for i in 0..Q {
+            let qd = queries[i][d];
+            for l in 0..SCORE_CHUNK {
+                acc[i][l] += qd * k[l];
+            }
+        }
+    }
+    acc
+}
+
 /// `scores[t] = q . k_t` for the positions of the other chunks, one position at a time.
 #[inline(always)]
 fn partial_scores<T: KvElement>(q: &[f32], partial: &[ScoreChunk<'_, T>], scores: &mut [f32]) {
@@ -738,6 +886,40 @@ mod tests {
             }
         }
         eprintln!("attention paths tested: {ran:?} (selected: {:?})", Isa::selected());
+    }
+
+    /// A tile of prompt rows gives, row by row, the bits of [`attend_one`] over what each row
+    /// sees, on every path, f32 and f16 blocks: groups of 1 to 7 heads (whole and partial quads
+    /// of query vectors), block sizes with and without whole score chunks, tiles from one row
+    /// on, starting at the history's first position or later, across passes.
+    #[test]
+    fn a_tile_of_rows_equals_its_rows_one_by_one() {
+        for (kv_heads, q_heads, head_dim) in [(2, 4, 64), (1, 7, 40), (2, 2, 8), (1, 3, 128)] {
+            for block_size in [16, 5] {
+                for (first, rows) in [(1, 1), (1, 9), (17, 6), (POSITIONS_PER_PASS - 2, 5), (300, 3)] {
+                    let total = first + rows - 1;
+                    let storage = history_storage(kv_heads, head_dim, block_size, total);
+                    let blocks: Vec<HostBlock<'_>> = storage.iter().map(|(k, v, positions)| HostBlock { keys_t: k, values: v, positions: *positions }).collect();
+                    let halves: Vec<(Vec<f16>, Vec<f16>, usize)> = storage.iter().map(|(k, v, positions)| (to_f16(k), to_f16(v), *positions)).collect();
+                    let half_blocks: Vec<HostBlock<'_, f16>> = halves.iter().map(|(k, v, positions)| HostBlock { keys_t: k, values: v, positions: *positions }).collect();
+                    let q = values(rows * q_heads * head_dim, (first * rows) as u64);
+                    let width = q_heads * head_dim;
+                    for isa in Isa::ALL.into_iter().filter(|isa| isa.available()) {
+                        for kv in 0..kv_heads {
+                            let one_by_one: Vec<f32> = (0..rows)
+                                .flat_map(|r| attend_one_with(&q[r * width..(r + 1) * width], &visible_prefix(&blocks, first + r), kv_heads, head_dim, kv, isa, Spread::Serial))
+                                .collect();
+                            let at = format!("{isa:?} kv {kv} head_dim {head_dim} block {block_size} first {first} rows {rows}");
+                            assert_eq!(attend_rows_with(&q, rows, &blocks, first, kv_heads, head_dim, kv, isa), one_by_one, "{at}");
+                            let one_by_one: Vec<f32> = (0..rows)
+                                .flat_map(|r| attend_one_with(&q[r * width..(r + 1) * width], &visible_prefix(&half_blocks, first + r), kv_heads, head_dim, kv, isa, Spread::Serial))
+                                .collect();
+                            assert_eq!(attend_rows_with(&q, rows, &half_blocks, first, kv_heads, head_dim, kv, isa), one_by_one, "f16 {at}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// A long history's passes spread over threads give the bits of one thread's passes in
