@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Decode tokens/s on Qwen3 GGUFs, the files a CPU user downloads: tpserve keeping them quantized
 # (--dtype auto) in the rank's model code (`eval-shard`) and through `tpserve serve` (a streaming
-# gRPC client), against llama.cpp on the same file, batch 1, THREADS (2) threads, a 32-token
-# prompt, NEW (64) new tokens, interleaved, best of RUNS (3); and the memory-read bandwidth,
-# measured in every run (the best is the bound, over the bytes a decode step reads); and the
-# seconds each takes to load the file.
+# gRPC client), against llama.cpp on the same file, batch 1, THREADS (2) threads, a PROMPT
+# (32)-token prompt, NEW (64) new tokens, interleaved, best of RUNS (3); and the memory-read
+# bandwidth, measured in every run (the best is the bound, over the bytes a decode step reads);
+# the prompt's prefill tokens/s in the rank's code and in llama.cpp; and the seconds each takes
+# to load the file. A long PROMPT (2048) measures prefill, and decode after it.
 #
 # SHAPE picks the model:
 # - dense (default): Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 query and 8 KV heads of 128,
@@ -33,6 +34,7 @@ PYTHON=${PYTHON:-python3}
 THREADS=${THREADS:-2}
 RUNS=${RUNS:-3}
 NEW=${NEW:-64}
+PROMPT=${PROMPT:-32}
 WORK=${WORK:-$PWD/target/qwen3-gguf}
 SHAPE=${SHAPE:-dense}
 case "$SHAPE" in
@@ -84,7 +86,7 @@ tmp=$(mktemp -d)
 servers=()
 cleanup() { for pid in "${servers[@]}"; do kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; done; rm -rf "$tmp"; }
 trap cleanup EXIT
-python3 -c "import json; json.dump([[(i * 7919) % 150000 + 100 for i in range(32)]], open('$tmp/p.json', 'w'))"
+python3 -c "import json; json.dump([[(i * 7919) % 150000 + 100 for i in range($PROMPT)]], open('$tmp/p.json', 'w'))"
 # One server per file, loaded once and idle while the others run.
 for fmt in "${FORMATS[@]}"; do
   target/release/tpserve serve --model "$WORK/$NAME.$fmt.gguf" --tp 1 --threads "$THREADS" \
@@ -109,11 +111,13 @@ for run in $(seq "$RUNS"); do
         --out "$tmp/out.json" >/dev/null 2>&1
     record "$fmt tpserve" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['decode_tokens'] / r['decode_seconds'], 2))")"
     record_least "$fmt tpserve load" "$(python3 -c "import json; print(round(json.load(open('$tmp/out.json'))['load_seconds'], 2))")"
+    record "$fmt tpserve prefill" "$(python3 -c "import json; r = json.load(open('$tmp/out.json')); print(round(r['prefill_tokens'] / r['prefill_seconds'], 2))")"
     record "$fmt serve" "$(python3 scripts/bench_serve_stream.py "unix://$tmp/$fmt.sock" "$tmp/p.json" "$NEW" \
         | python3 -c "import json, sys; print(round(json.load(sys.stdin)['tokens_per_second'], 2))")"
     "$PYTHON" scripts/bench_llamacpp.py decode "$gguf" "$tmp/p.json" "$NEW" "$THREADS" 2>/dev/null >"$tmp/llama.json"
     record "$fmt llama.cpp" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['tokens_per_second'], 2))")"
     record_least "$fmt llama.cpp load" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['load_seconds'], 2))")"
+    record "$fmt llama.cpp prefill" "$(python3 -c "import json; print(round(json.load(open('$tmp/llama.json'))['prefill_tokens_per_second'], 2))")"
   done
 done
 echo
@@ -142,6 +146,13 @@ EOF
 share = lambda t, mb: f'{t:.1f} ({t * mb / 1000 / bw:.0%})'
 read = '$read_mb' if $read_mb == $held_mb else '$read_mb (tpserve: $held_mb)'
 print(f'| $fmt | $mb | {read} | {share(q, $held_mb)} | {share(s, $held_mb)} | {share(l, $read_mb)} | {q / l:.2f}x | {s / l:.2f}x |')"
+done
+echo
+echo "prefill of the $PROMPT-token prompt, tokens/s (rank's code; llama.cpp's eval of the prompt):"
+echo "| file | tpserve | llama.cpp | tpserve / llama.cpp |"
+echo "|---|---|---|---|"
+for fmt in "${FORMATS[@]}"; do
+  python3 -c "t, l = ${best[$fmt tpserve prefill]}, ${best[$fmt llama.cpp prefill]}; print(f'| $fmt | {t:.1f} | {l:.1f} | {t / l:.2f}x |')"
 done
 echo
 echo "seconds to load the model (least of the runs; tpserve: eval-shard's TP 1 shard; llama.cpp: Llama(), which maps the file):"
