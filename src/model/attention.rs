@@ -2,11 +2,12 @@
 //! sequence's new tokens against its cached keys and values, with grouped-query heads.
 //!
 //! Two forms: [`attend`] over a history gathered into one tensor (every step on a GPU), and, on
-//! a CPU, the kernel [`attend_one`] (`tpserve_kernels::attention`), which reads the paged
-//! cache's blocks in place, one query row at a time. A decode step of a batch otherwise copies
+//! a CPU, the kernels [`attend_one`] and `attend_rows` (`tpserve_kernels::attention`), which read
+//! the paged cache's blocks in place, one query row or a tile of a prompt's rows at a time. A
+//! decode step of a batch otherwise copies
 //! every sequence's whole history per layer and runs two tiny matmuls through a general gemm: at
 //! 16 sequences those copies were a tenth of the step. A prompt's rows go through the same
-//! kernel, each against the positions it may see: through gemm, a 2,048-token prompt's attention
+//! arithmetic, each against the positions it may see: through gemm, a 2,048-token prompt's attention
 //! was half its prefill, most of it spent on masked scores, large temporaries and their page
 //! faults, and a scalar softmax. One row's arithmetic is then the same in a prompt as in a decode
 //! step.

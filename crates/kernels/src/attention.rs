@@ -1,5 +1,7 @@
 //! One query row's attention over the history it may see, read in place from the paged KV
-//! cache's blocks: the attention of a decode step on a CPU, and of each row of a prompt.
+//! cache's blocks: the attention of a decode step on a CPU ([`attend_one`]), and of a prompt's
+//! rows, a tile at a time ([`attend_rows`]: the same bits, each chunk of keys scored for every
+//! query vector of the tile while it is in L1).
 //!
 //! A block holds `block_size` positions of every KV head: keys transposed, `[kv_heads, head_dim,
 //! block_size]`, so that one query element scales a contiguous run of positions, and values as
