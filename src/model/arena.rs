@@ -124,7 +124,6 @@ fn zeroed<T: WithDType>(n: usize) -> Result<Vec<T>> {
 
 #[cfg(test)]
 mod tests {
-
     use super::*;
     use crate::model::quant::formats::{Format, quantize_matrix};
 

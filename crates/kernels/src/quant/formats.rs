@@ -41,10 +41,15 @@ pub enum Format {
 }
 
 impl Format {
+    /// The formats candle's block types define: every one but IQ4_NL.
+    const GGML: [Format; 10] = {
+        use Format::*;
+        [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K]
+    };
+
     /// The format of a tensor stored in `dtype`, when it is one held resident.
     pub fn of_ggml(dtype: GgmlDType) -> Option<Format> {
-        use Format::*;
-        [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K].into_iter().find(|f| f.ggml() == Some(dtype))
+        Format::GGML.into_iter().find(|f| f.ggml() == Some(dtype))
     }
 
     /// candle's name for it, whose block type dequantizes and quantizes it; None for IQ4_NL.
@@ -104,8 +109,7 @@ impl Format {
 /// Every format but IQ4_NL, which is read from files only (its levels need llama.cpp's search
 /// for the best scale to quantize well).
 pub fn parse(text: &str) -> Option<Format> {
-    use Format::*;
-    [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K].into_iter().find(|d| d.name().eq_ignore_ascii_case(text))
+    Format::GGML.into_iter().find(|d| d.name().eq_ignore_ascii_case(text))
 }
 
 /// Bytes of one row of `cols` values (`cols` a multiple of the block size).
