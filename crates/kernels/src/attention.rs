@@ -125,10 +125,17 @@ pub enum Spread {
 pub fn attend_one_with<T: KvElement>(q: &[f32], history: &[HostBlock<'_, T>], kv_heads: usize, head_dim: usize, kv: usize, isa: Isa, spread: Spread) -> Vec<f32> {
     assert!(isa.available(), "this CPU has no {isa:?} path");
     assert!(head_dim > 0 && kv < kv_heads && q.len().is_multiple_of(head_dim * kv_heads), "q is not [q_heads * {head_dim}] for {kv_heads} KV heads");
-    // The SIMD phases are built with F16C too (for f16 caches); every CPU with AVX2 has it.
+    attend(q, history, kv_heads, head_dim, kv, phases_isa(isa), spread)
+}
+
+/// The path the phases run on for `isa`: the SIMD phases are built with F16C too (for f16
+/// caches), which every CPU with AVX2 has; without it, the portable one.
+fn phases_isa(isa: Isa) -> Isa {
     #[cfg(target_arch = "x86_64")]
-    let isa = if isa != Isa::Portable && !std::is_x86_feature_detected!("f16c") { Isa::Portable } else { isa };
-    attend(q, history, kv_heads, head_dim, kv, isa, spread)
+    if isa != Isa::Portable && !std::is_x86_feature_detected!("f16c") {
+        return Isa::Portable;
+    }
+    isa
 }
 
 /// Runs one phase of [`attend`] (`pass_scores` or `pass_values`) in its build for
@@ -244,8 +251,7 @@ pub fn attend_rows_with<T: KvElement>(
     let last = first + rows - 1;
     let history = visible_prefix(history, last);
     assert_eq!(history.iter().map(|b| b.positions).sum::<usize>(), last, "the history does not hold the last row's {last} positions");
-    #[cfg(target_arch = "x86_64")]
-    let isa = if isa != Isa::Portable && !std::is_x86_feature_detected!("f16c") { Isa::Portable } else { isa };
+    let isa = phases_isa(isa);
     let group = width / head_dim / kv_heads;
     // every row's query vectors of the group, row by row: [rows * group][head_dim]
     let queries: Vec<&[f32]> =

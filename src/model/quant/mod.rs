@@ -68,8 +68,10 @@ impl Segment {
     /// but the last is whole groups of eight rows (as the fused q/k/v and gate/up of a model
     /// are). Others go through GGML's row layout and are interleaved anew.
     fn stack(dtype: Format, cols: usize, mut segments: Vec<Segment>) -> Result<Self> {
-        if segments.len() == 1 {
-            return Ok(segments.pop().expect("one segment"));
+        if let [_] = segments[..]
+            && let Some(only) = segments.pop()
+        {
+            return Ok(only);
         }
         let rows = segments.iter().map(|s| s.rows).sum();
         let whole_groups = segments[..segments.len() - 1].iter().all(|s| s.rows % interleaved::GROUP == 0);
