@@ -47,6 +47,17 @@ mod x86 {
     chains!(maddubs, "avx2", |i| _mm256_set1_epi8(i as i8), _mm256_set1_epi8(3), |c, a| _mm256_maddubs_epi16(*c, a), |c| _mm256_extract_epi32::<0>(c) as i64);
     chains!(madd, "avx2", |i| _mm256_set1_epi16(i as i16), _mm256_set1_epi16(3), |c, a| _mm256_madd_epi16(*c, a), |c| _mm256_extract_epi32::<0>(c) as i64);
 
+    // The 512-bit ceilings where the CPU has AVX-512: f32 FMAs, VNNI's 8-bit products (64 u8 x i8
+    // products summed in fours, `quant::interleaved`'s pair body) and avx512_bf16's pair products
+    // (32 bf16 pairs, `panels::Products::Bf16`).
+    chains!(fma512, "avx512f", |i| _mm512_set1_ps(i as f32 * 1e-3), _mm512_set1_ps(0.999), |c, a| _mm512_fmadd_ps(*c, a, a), |c| _mm512_reduce_add_ps(c) as i64);
+    chains!(dpbusd512, "avx512f,avx512vnni", |i| _mm512_set1_epi32(i as i32), _mm512_set1_epi8(3), |c, a| _mm512_dpbusd_epi32(*c, a, a), |c| _mm512_reduce_add_epi32(c) as i64);
+    chains!(dpbf16512, "avx512f,avx512bf16", |i| _mm512_set1_ps(i as f32 * 1e-3), _mm512_castsi512_ps(_mm512_set1_epi16(0x3f80)), |c, a| {
+        // SAFETY: __m512 and __m512bh are both 64 bytes of plain bits.
+        let pairs = unsafe { std::mem::transmute::<__m512, __m512bh>(a) };
+        _mm512_dpbf16_ps(*c, pairs, pairs)
+    }, |c| _mm512_reduce_add_ps(c) as i64);
+
     /// Five chains of `vpmaddubsw` beside five of `vpmaddwd`: as fast as either alone where the
     /// two share one pipe, twice as fast where they do not.
     ///
@@ -111,7 +122,8 @@ fn main() {
         let sink: i64 = (0..n)
             .map(|_| {
                 std::thread::spawn(move || {
-                    // SAFETY: AVX2 and FMA were detected above.
+                    // SAFETY: AVX2 and FMA were detected above, and each 512-bit loop runs only
+                    // where its features were.
                     unsafe { f() }
                 })
             })
@@ -136,6 +148,25 @@ fn main() {
     // The integer pair beside FMAs: where they issue on another pipe, the integer rate holds
     // and the FMAs come on top (a Q8_0 batch could give some rows to f32 FMAs over the same
     // 8-bit values, whose sums of 32 products f32 holds exactly).
+    let wide = [
+        ("vfmadd231ps", "avx512f", 32.0, "f32 FLOP", x86::fma512 as unsafe fn() -> i64),
+        ("vpdpbusd", "avx512vnni", 64.0, "8-bit products", x86::dpbusd512),
+        ("vdpbf16ps", "avx512bf16", 64.0, "bf16 FLOP", x86::dpbf16512),
+    ];
+    if is_x86_feature_detected!("avx512f") {
+        println!("512-bit arithmetic ceilings, 1 and {threads} threads (giga-instructions a second per thread):");
+        for (name, feature, per, unit, f) in wide {
+            let present = match feature {
+                "avx512vnni" => is_x86_feature_detected!("avx512vnni"),
+                "avx512bf16" => is_x86_feature_detected!("avx512bf16"),
+                _ => true,
+            };
+            if present {
+                let (one, every) = (rate(f, 1), rate(f, threads));
+                println!("  {name:>12}: {:.2} alone, {:.2} each of {threads}: {:.0} G {unit} a second on {threads} threads", one / 1e9, every / 1e9, every * threads as f64 * per / 1e9);
+            }
+        }
+    }
     println!("integer multiplies beside FMAs, {threads} threads (giga-instructions a second per thread):");
     let mixes = [(0, x86::int_and_fma::<0> as unsafe fn() -> i64), (4, x86::int_and_fma::<4>), (8, x86::int_and_fma::<8>)];
     for (fmas, f) in mixes {
