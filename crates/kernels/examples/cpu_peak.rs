@@ -1,4 +1,4 @@
-//! The arithmetic ceilings of this CPU's 256-bit vector units, which bound a batched step once
+//! The arithmetic ceilings of this CPU's vector units, which bound a batched step once
 //! its weights stop being the bound: fused multiply-adds of f32 (`vfmadd231ps`, 8 multiply-adds
 //! each) and the two integer multiplies of the AVX2 8-bit products (`vpmaddubsw`, 32 u8 x i8
 //! products summed in pairs; `vpmaddwd`, 16 i16 products summed in pairs). Each loop runs ten
@@ -7,7 +7,9 @@
 //! runs no faster than either alone where they share a pipe). It prints instructions per second
 //! per thread and what they make for all threads: GFLOP/s of f32, and 8-bit products per second
 //! when each 32 take one `vpmaddubsw` and one `vpmaddwd` (the AVX2 Q8_0 products of
-//! `quant::interleaved`).
+//! `quant::interleaved`). Where the CPU has AVX-512, the 512-bit ceilings follow: `vfmadd231ps`,
+//! VNNI's `vpdpbusd` (64 8-bit products, the pair body of `quant::interleaved`) and avx512_bf16's
+//! `vdpbf16ps` (the bf16 pair products of `panels`), each where the CPU has it.
 //! A figure, not a test.
 //!
 //!     cargo run --release -p tpserve-kernels --example cpu_peak
