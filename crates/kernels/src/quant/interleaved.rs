@@ -289,7 +289,8 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
                     // The last pass over this pair asks for the next pair's bytes (see
                     // `pair_dot`); the next task's first pair, past this task's end, is most often
                     // this thread's too (rayon splits the tasks in contiguous ranges).
-                    let next = if done + take == m { &w[((g + 2) * GROUP * rb).min(grouped_rows * rb)..((g + 4) * GROUP * rb).min(grouped_rows * rb)] } else { &[] };
+                    let pair_at = |g: usize| (g * GROUP * rb).min(grouped_rows * rb);
+                    let next = if done + take == m { &w[pair_at(g + 2)..pair_at(g + 4)] } else { &[] };
                     pair_dot(dtype, groups_bytes, &acts[done..done + take], &mut sums[..take], next);
                     // SAFETY: activation rows done..done + take < m and weight rows
                     // g * GROUP..(g + 2) * GROUP < n, in this task's groups: no other task
@@ -395,7 +396,7 @@ fn pair_dot(dtype: Format, groups: &[u8], acts: &[&ActQ8], out: &mut [[f32; 2 * 
         x86::pair_vnni(dtype, groups.as_ptr(), blocks, acts, out, next)
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("no AVX-512 path off x86-64 ({dtype:?}, {} bytes, {} rows, {} outputs)", groups.len(), acts.len(), out.len())
+    unreachable!("no AVX-512 path off x86-64 ({dtype:?}, {} bytes, {} rows, {} outputs, {} ahead)", groups.len(), acts.len(), out.len(), next.len())
 }
 
 /// The scalar reference: per block and lane, `acc = fma(isum, d_w * d_x, acc)` then

@@ -229,14 +229,18 @@ pub(super) fn group_dot(path: Path, kq: KQuant, group: &[u8], acts: &[&ActQ8K], 
     assert!(acts.iter().all(|a| a.d.len() == blocks && a.bsums.len() == blocks * 16 && a.qs.len() == blocks * QK_K));
     match path {
         Path::Portable => group_portable(kq, group, acts, out),
-        // The VNNI path runs the AVX2 body, as `kquant`'s does (no AVX-512 CPU to test a
-        // `vpdpbusd` body on; the integer lanes, hence the results, would be the same).
+        // On the VNNI path Q4_K and Q5_K take a `vpdpbusd` body (the same integers, hence the
+        // same results); Q6_K, like `kquant`'s row kernels, runs the AVX2 body there.
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `interleaved::matmul` asserted this CPU has the path, which includes AVX2, FMA
         // and F16C; the group holds `blocks` group-blocks of `kq` and every activation row
         // `blocks` blocks (asserted above).
         Path::Avx2 | Path::Avx512Vnni => unsafe {
+            let vnni = path == Path::Avx512Vnni;
             match kq {
+                // SAFETY (VNNI): `Path::Avx512Vnni` is available (F, BW, VL and VNNI).
+                KQuant::Q4K if vnni => x86::group_q4k_vnni(group.as_ptr(), blocks, acts, out),
+                KQuant::Q5K if vnni => x86::group_q5k_vnni(group.as_ptr(), blocks, acts, out),
                 KQuant::Q4K => x86::group_q4k_avx2(group.as_ptr(), blocks, acts, out),
                 KQuant::Q5K => x86::group_q5k_avx2(group.as_ptr(), blocks, acts, out),
                 KQuant::Q6K => x86::group_q6k_avx2(group.as_ptr(), blocks, acts, out),
@@ -343,12 +347,12 @@ mod x86 {
     /// Calls `$body::<R>` with `R` the number of activation rows (1 to 4), so that each batch
     /// size gets its own unrolled body.
     macro_rules! by_rows {
-        ($body:ident $(::<$five:literal>)?, $group:expr, $blocks:expr, $acts:expr, $out:expr) => {
+        ($body:ident $(::<$($flag:literal),+>)?, $group:expr, $blocks:expr, $acts:expr, $out:expr) => {
             match $acts.len() {
-                1 => $body::<$($five,)? 1>($group, $blocks, [$acts[0]], $out),
-                2 => $body::<$($five,)? 2>($group, $blocks, [$acts[0], $acts[1]], $out),
-                3 => $body::<$($five,)? 3>($group, $blocks, [$acts[0], $acts[1], $acts[2]], $out),
-                _ => $body::<$($five,)? 4>($group, $blocks, [$acts[0], $acts[1], $acts[2], $acts[3]], $out),
+                1 => $body::<$($($flag,)+)? 1>($group, $blocks, [$acts[0]], $out),
+                2 => $body::<$($($flag,)+)? 2>($group, $blocks, [$acts[0], $acts[1]], $out),
+                3 => $body::<$($($flag,)+)? 3>($group, $blocks, [$acts[0], $acts[1], $acts[2]], $out),
+                _ => $body::<$($($flag,)+)? 4>($group, $blocks, [$acts[0], $acts[1], $acts[2], $acts[3]], $out),
             }
         };
     }
@@ -361,7 +365,17 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn group_q4k_avx2(group: *const u8, blocks: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
         // SAFETY: forwarded contract; each arm passes exactly its number of rows.
-        unsafe { by_rows!(body_q4k::<false>, group, blocks, acts, out) }
+        unsafe { by_rows!(body_q4k::<false, false>, group, blocks, acts, out) }
+    }
+
+    /// [`group_q4k_avx2`] with VNNI's `vpdpbusd` for the 8-bit products.
+    ///
+    /// # Safety
+    /// As [`group_q4k_avx2`], and the CPU has AVX-512 F, VL and VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn group_q4k_vnni(group: *const u8, blocks: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
+        // SAFETY: forwarded contract; each arm passes exactly its number of rows.
+        unsafe { by_rows!(body_q4k::<false, true>, group, blocks, acts, out) }
     }
 
     /// Eight interleaved Q5_K rows against `acts` (1 to 4 Q8_K rows): `out[j][r]`.
@@ -371,7 +385,17 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn group_q5k_avx2(group: *const u8, blocks: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
         // SAFETY: forwarded contract; each arm passes exactly its number of rows.
-        unsafe { by_rows!(body_q4k::<true>, group, blocks, acts, out) }
+        unsafe { by_rows!(body_q4k::<true, false>, group, blocks, acts, out) }
+    }
+
+    /// [`group_q5k_avx2`] with VNNI's `vpdpbusd` for the 8-bit products.
+    ///
+    /// # Safety
+    /// As [`group_q4k_vnni`], for Q5_K group-blocks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn group_q5k_vnni(group: *const u8, blocks: usize, acts: &[&ActQ8K], out: &mut [[f32; GROUP]]) {
+        // SAFETY: forwarded contract; each arm passes exactly its number of rows.
+        unsafe { by_rows!(body_q4k::<true, true>, group, blocks, acts, out) }
     }
 
     /// Eight interleaved Q6_K rows against `acts` (1 to 4 Q8_K rows): `out[j][r]`.
@@ -445,13 +469,17 @@ mod x86 {
     }
 
     /// The lane-wise Q4_K (Q5_K when `FIVE`) products of `R` activation rows with one group's
-    /// eight rows (the lanes of [`super::portable_q4k`]).
+    /// eight rows (the lanes of [`super::portable_q4k`]). A sub-block's products are summed per
+    /// lane as i16 pairs (`vpmaddubsw`) and then times its scale as i32 (`vpmaddwd`), or with
+    /// `VNNI` as i32 (`vpdpbusd`) and then times its scale (`vpmulld`): the same integers (the
+    /// pairs never saturate, see below), hence the same results, in half the instructions a
+    /// chunk.
     ///
     /// # Safety
-    /// As [`group_q4k_avx2`] (Q5_K group-blocks when `FIVE`), with `R` equal to the number of
-    /// rows of `out`.
+    /// As [`group_q4k_avx2`] (Q5_K group-blocks when `FIVE`; AVX-512 VL and VNNI when `VNNI`),
+    /// with `R` equal to the number of rows of `out`.
     #[inline(always)]
-    unsafe fn body_q4k<const FIVE: bool, const R: usize>(group: *const u8, blocks: usize, acts: [&ActQ8K; R], out: &mut [[f32; GROUP]]) {
+    unsafe fn body_q4k<const FIVE: bool, const VNNI: bool, const R: usize>(group: *const u8, blocks: usize, acts: [&ActQ8K; R], out: &mut [[f32; GROUP]]) {
         let gbytes = GROUP * if FIVE { Q5K.block } else { Q4K.block };
         // SAFETY (whole block): AVX2, FMA and F16C are enabled by every caller; group-block
         // b < blocks is in bounds of `group`, and activation bytes b * 256 + 256, sums
@@ -481,8 +509,8 @@ mod x86 {
                 let x = acts.map(|a| a.qs.as_ptr().add(b * QK_K));
                 let mut q = [_mm256_setzero_si256(); R];
                 for p in 0..4 {
-                    // sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles): i16 pair sums of a
-                    // span of chunks, eight of 4-bit values (at most 8 * 2 * 15 * 128 = 30720
+                    // sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles): i16 pair sums (with
+                    // VNNI, i32 sums) of a span of chunks, eight of 4-bit values (at most 8 * 2 * 15 * 128 = 30720
                     // in magnitude) or four of 5-bit ones (4 * 2 * 31 * 128 = 31744)
                     let span = if FIVE { 4 } else { 8 };
                     for half in 0..8 / span {
@@ -504,15 +532,27 @@ mod x86 {
                             }
                             for j in 0..R {
                                 let at = x[j].add(64 * p + 4 * u);
-                                lo_pairs[j] = _mm256_add_epi16(lo_pairs[j], _mm256_maddubs_epi16(lo, broadcast4(at)));
-                                hi_pairs[j] = _mm256_add_epi16(hi_pairs[j], _mm256_maddubs_epi16(hi, broadcast4(at.add(32))));
+                                if VNNI {
+                                    lo_pairs[j] = _mm256_dpbusd_epi32(lo_pairs[j], lo, broadcast4(at));
+                                    hi_pairs[j] = _mm256_dpbusd_epi32(hi_pairs[j], hi, broadcast4(at.add(32)));
+                                } else {
+                                    lo_pairs[j] = _mm256_add_epi16(lo_pairs[j], _mm256_maddubs_epi16(lo, broadcast4(at)));
+                                    hi_pairs[j] = _mm256_add_epi16(hi_pairs[j], _mm256_maddubs_epi16(hi, broadcast4(at.add(32))));
+                                }
                             }
                         }
                         let words = if p < 2 { s_lo } else { s_hi };
+                        // each lane's scale as an i16 pair (s, s), or with VNNI as an i32 s
                         let sc_lo = _mm256_shuffle_epi8(words, pick[(2 * p) % 4]);
                         let sc_hi = _mm256_shuffle_epi8(words, pick[(2 * p + 1) % 4]);
                         for j in 0..R {
-                            q[j] = _mm256_add_epi32(q[j], _mm256_add_epi32(_mm256_madd_epi16(lo_pairs[j], sc_lo), _mm256_madd_epi16(hi_pairs[j], sc_hi)));
+                            let (lo, hi) = if VNNI {
+                                let low_half = _mm256_set1_epi32(0xFFFF);
+                                (_mm256_mullo_epi32(lo_pairs[j], _mm256_and_si256(sc_lo, low_half)), _mm256_mullo_epi32(hi_pairs[j], _mm256_and_si256(sc_hi, low_half)))
+                            } else {
+                                (_mm256_madd_epi16(lo_pairs[j], sc_lo), _mm256_madd_epi16(hi_pairs[j], sc_hi))
+                            };
+                            q[j] = _mm256_add_epi32(q[j], _mm256_add_epi32(lo, hi));
                         }
                     }
                 }
