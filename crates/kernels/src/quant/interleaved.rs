@@ -35,8 +35,8 @@
 //! - 5th bits: 32-bit word `t` has bit `4r + i` set when value `4t + i` of row r has its 5th bit.
 //! - Q8_0: 32-byte chunk `t` (0..8) holds bytes `4t..4t+4` of row r in lane r.
 //! - IQ4_NL: as Q4_0 (the same bytes); each nibble indexes the 16 signed levels, which one
-//!   `vpshufb` looks up for a whole register. They then multiply as Q8_0's bytes do, and take
-//!   the 256-bit body on AVX-512 too (no pairs of groups: that form has no IQ4_NL lookup).
+//!   `vpshufb` looks up for a whole register. They then multiply as Q8_0's bytes do (on
+//!   512-bit vectors, the table holds the levels plus 128, as Q8_0's values go in there).
 //!
 //! Rows past the last whole group stay in row layout after the groups and go through
 //! [`super::kernels`] (for the K-quants, [`super::kquant`]'s row kernels). A product's additions
@@ -272,9 +272,8 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
     // Not zeroed first: the groups' tasks and the tail rows below write every element.
     let mut values = Vec::with_capacity(m * n);
     let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
-    // 512-bit vectors take two groups at once (a group's eight rows in each half); IQ4_NL
-    // keeps the 256-bit body, whose lookups and signs its values need.
-    let pairs = path == Path::Avx512Vnni && k_quant.is_none() && dtype != Format::Iq4Nl;
+    // 512-bit vectors take two groups at once (a group's eight rows in each half).
+    let pairs = path == Path::Avx512Vnni && k_quant.is_none();
     (0..groups.div_ceil(GROUPS_PER_TASK)).into_par_iter().for_each(|task| {
         let end = ((task + 1) * GROUPS_PER_TASK).min(groups);
         let mut g = task * GROUPS_PER_TASK;
@@ -674,6 +673,7 @@ mod x86 {
                 (Format::Q5_0, n) => pair_rows::<Q5_0>(n, groups, blocks, acts, out, next),
                 (Format::Q5_1, n) => pair_rows::<Q5_1>(n, groups, blocks, acts, out, next),
                 (Format::Q8_0, n) => pair_rows::<Q8_0>(n, groups, blocks, acts, out, next),
+                (Format::Iq4Nl, n) => pair_rows::<IQ4_NL>(n, groups, blocks, acts, out, next),
                 (other, _) => unreachable!("{other:?} is not held interleaved in 32-value groups"),
             }
         }
@@ -700,10 +700,11 @@ mod x86 {
         }
     }
 
-    /// The lane-wise dot products of `R` activation rows with two groups' sixteen rows. Q8_0
-    /// has no `vpsignb` on 512-bit vectors, so its values go in as `w + 128` (a u8, one xor
-    /// shared by every activation row) and `128 * sum(x)` comes off each block's integer sum:
-    /// the same i32, hence the same result, as [`body`]'s.
+    /// The lane-wise dot products of `R` activation rows with two groups' sixteen rows. There
+    /// is no `vpsignb` on 512-bit vectors, so Q8_0's values go in as `w + 128` (a u8, one xor
+    /// shared by every activation row), IQ4_NL's as their levels plus 128 (one `vpshufb` of
+    /// a biased table), and `128 * sum(x)` comes off each block's integer sum: the same i32,
+    /// hence the same result, as [`body`]'s.
     ///
     /// # Safety
     /// As [`pair_vnni`], with `R` equal to the number of rows of `out`.
@@ -718,6 +719,8 @@ mod x86 {
         // activation bytes b * 32 + 32, sums and scales b of every row (the caller's contract).
         unsafe {
             let mut acc = [_mm512_setzero_ps(); R];
+            // IQ4_NL's sixteen levels plus 128, in each 128-bit lane (`vpshufb` looks up within one)
+            let biased_levels = _mm512_broadcast_i32x4(_mm_loadu_si128(super::LEVELS.map(|l| (l as i16 + 128) as u8).as_ptr().cast()));
             for b in 0..blocks {
                 prefetch_share(next, b, blocks);
                 let gb = groups.add(b * gbytes);
@@ -739,8 +742,17 @@ mod x86 {
                             isum[j] = _mm512_dpbusd_epi32(isum[j], w, broadcast4_512(acts[j], x0 + 4 * t));
                         }
                     }
-                    for j in 0..R {
-                        isum[j] = _mm512_sub_epi32(isum[j], _mm512_set1_epi32(128 * *acts[j].sums.get_unchecked(b)));
+                } else if F == IQ4_NL {
+                    // The nibbles look up their levels plus 128 (u8), as Q8_0's values go in.
+                    let low = _mm512_set1_epi8(0x0F);
+                    for u in 0..4 {
+                        let chunk = both(qs.add(32 * u), second);
+                        let lo = _mm512_shuffle_epi8(biased_levels, _mm512_and_si512(chunk, low));
+                        let hi = _mm512_shuffle_epi8(biased_levels, _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), low));
+                        for j in 0..R {
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4_512(acts[j], x0 + 4 * u));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4_512(acts[j], x0 + 16 + 4 * u));
+                        }
                     }
                 } else {
                     let low = _mm512_set1_epi8(0x0F);
@@ -759,10 +771,15 @@ mod x86 {
                         }
                     }
                 }
+                if F == Q8_0 || F == IQ4_NL {
+                    for j in 0..R {
+                        isum[j] = _mm512_sub_epi32(isum[j], _mm512_set1_epi32(128 * *acts[j].sums.get_unchecked(b)));
+                    }
+                }
                 for j in 0..R {
                     let scale = _mm512_mul_ps(d, _mm512_set1_ps(*acts[j].d.get_unchecked(b)));
                     acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), scale, acc[j]);
-                    if F != Q8_0 {
+                    if F != Q8_0 && F != IQ4_NL {
                         acc[j] = _mm512_fmadd_ps(c, _mm512_set1_ps(*acts[j].s.get_unchecked(b)), acc[j]);
                     }
                 }
