@@ -150,19 +150,15 @@ fn main() {
     // The integer pair beside FMAs: where they issue on another pipe, the integer rate holds
     // and the FMAs come on top (a Q8_0 batch could give some rows to f32 FMAs over the same
     // 8-bit values, whose sums of 32 products f32 holds exactly).
+    // (name, whether the CPU has it, results an instruction, what they are, the loop)
     let wide = [
-        ("vfmadd231ps", "avx512f", 32.0, "f32 FLOP", x86::fma512 as unsafe fn() -> i64),
-        ("vpdpbusd", "avx512vnni", 64.0, "8-bit products", x86::dpbusd512),
-        ("vdpbf16ps", "avx512bf16", 64.0, "bf16 FLOP", x86::dpbf16512),
+        ("vfmadd231ps", true, 32.0, "f32 FLOP", x86::fma512 as unsafe fn() -> i64),
+        ("vpdpbusd", is_x86_feature_detected!("avx512vnni"), 64.0, "8-bit products", x86::dpbusd512),
+        ("vdpbf16ps", is_x86_feature_detected!("avx512bf16"), 64.0, "bf16 FLOP", x86::dpbf16512),
     ];
     if is_x86_feature_detected!("avx512f") {
         println!("512-bit arithmetic ceilings, 1 and {threads} threads (giga-instructions a second per thread):");
-        for (name, feature, per, unit, f) in wide {
-            let present = match feature {
-                "avx512vnni" => is_x86_feature_detected!("avx512vnni"),
-                "avx512bf16" => is_x86_feature_detected!("avx512bf16"),
-                _ => true,
-            };
+        for (name, present, per, unit, f) in wide {
             if present {
                 let (one, every) = (rate(f, 1), rate(f, threads));
                 println!("  {name:>12}: {:.2} alone, {:.2} each of {threads}: {:.0} G {unit} a second on {threads} threads", one / 1e9, every / 1e9, every * threads as f64 * per / 1e9);

@@ -720,7 +720,11 @@ mod x86 {
         unsafe {
             let mut acc = [_mm512_setzero_ps(); R];
             // IQ4_NL's sixteen levels plus 128, in each 128-bit lane (`vpshufb` looks up within one)
-            let biased_levels = _mm512_broadcast_i32x4(_mm_loadu_si128(super::LEVELS.map(|l| (l as i16 + 128) as u8).as_ptr().cast()));
+            let biased_levels = if F == IQ4_NL {
+                _mm512_broadcast_i32x4(_mm_loadu_si128(super::LEVELS.map(|l| (l as i16 + 128) as u8).as_ptr().cast()))
+            } else {
+                _mm512_setzero_si512()
+            };
             for b in 0..blocks {
                 prefetch_share(next, b, blocks);
                 let gb = groups.add(b * gbytes);
