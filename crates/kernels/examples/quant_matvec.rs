@@ -9,7 +9,11 @@
 //! the rayon pool the same way).
 //! A figure, not a test.
 //!
-//!     RAYON_NUM_THREADS=1 cargo run --release -p tpserve-kernels --example quant_matvec [-- --k-quants]
+//! `--batches` prints instead, for the interleaved layout on this CPU's fastest path, products of
+//! 1 to 512 activation rows on the 100M Qwen3 shape of the serving benchmark, in G multiply-adds
+//! a second: how far batching multiplies a kernel's throughput, against `cpu_peak`'s ceilings.
+//!
+//!     RAYON_NUM_THREADS=1 cargo run --release -p tpserve-kernels --example quant_matvec [-- --k-quants | --batches]
 
 use std::time::Instant;
 
@@ -29,6 +33,9 @@ fn main() {
 }
 
 fn run() {
+    if std::env::args().any(|a| a == "--batches") {
+        return batches();
+    }
     // `--k-quants`: only the K-quant lines
     let only_k = std::env::args().any(|a| a == "--k-quants");
     if !only_k {
@@ -76,6 +83,26 @@ fn layout_lines(dtype: Format, m: usize, shapes: &[(usize, usize)]) {
                     if x8 { interleaved::matmul(&x, m, k, held, &bytes, n, path) } else { matmul(&x, m, k, held, &bytes, n, path) }
                 });
                 line += &figure(k, n, seconds, n * row_bytes(held, k));
+            }
+            println!("{line}");
+        }
+    }
+}
+
+/// The interleaved products of 1 to 512 rows on the fastest path, in G multiply-adds a second.
+fn batches() {
+    let path = Path::ALL.into_iter().filter(|p| p.available()).last().expect("the portable path");
+    // (k, n): fused gate/up, down, q/o of the 100M Qwen3 shape (`benches/support`)
+    let shapes = [(768, 4096), (2048, 768), (768, 768)];
+    for dtype in [Format::Q8_0, Format::Q4_1, Format::Q4K] {
+        for m in [1, 8, 16, 64, 512] {
+            let mut line = format!("{dtype:?} {} m={m:<3}:", path.name());
+            for &(k, n) in &shapes {
+                let Sliced::Blocks { dtype: held, bytes, .. } = quantize_matrix(dtype, n, k, weights(n, k)) else { continue };
+                let bytes = interleaved::pack(held, n, k, &bytes);
+                let x = activations(m, k);
+                let seconds = time(m, n, k, || interleaved::matmul(&x, m, k, held, &bytes, n, path));
+                line += &format!("  [{k}x{n}] {:.1} µs {:.0} G/s", seconds * 1e6, (m * n * k) as f64 / seconds / 1e9);
             }
             println!("{line}");
         }

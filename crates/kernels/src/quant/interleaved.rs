@@ -53,10 +53,14 @@ use super::interleaved_k::{self, KQuant};
 use super::kquant::{ActQ8K, quantize_act_k};
 use crate::output::Output;
 
+/// Activation values from which a product quantizes its rows in parallel (64 rows of 1,024).
+const PARALLEL_QUANTIZATION: usize = 1 << 16;
 /// Rows per interleaved group: one per 32-bit lane of a 256-bit register.
 pub const GROUP: usize = 8;
-/// Groups per parallel task (32 rows, as the row-layout kernels).
+/// Groups per parallel task (32 rows, as the row-layout kernels). Even, so that only the last
+/// task can have an odd group left over from its pairs.
 const GROUPS_PER_TASK: usize = 4;
+const _: () = assert!(GROUPS_PER_TASK % 2 == 0);
 /// Most activation rows a pair of groups takes at once on 512-bit vectors: 8 integer and 8
 /// float accumulators, against 4 (8 in all) before. Each weight vector loaded (and, for Q8_0,
 /// biased) serves twice the rows, and twice the chains of `vpdpbusd` run side by side. A
@@ -261,19 +265,32 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
         return Vec::new();
     }
     let k_quant = KQuant::of(dtype);
-    // The rows of a batch are quantized in parallel: done serially they were a tenth of a
-    // 16-row Q8_0 product, with the other thread idle.
-    let acts: Vec<ActQ8> = if k_quant.is_some() { Vec::new() } else { x.par_chunks_exact(k).map(quantize_act).collect() };
+    let groups = n / GROUP;
+    let grouped_rows = groups * GROUP;
+    // 512-bit vectors take two groups at once (a group's eight rows in each half), and the
+    // activation rows in batches of PAIR_ROWS laid out for them; a task's odd group left over
+    // takes one group at a time.
+    let pairs = path == Path::Avx512Vnni && k_quant.is_none() && groups >= 2;
+    let singles = !pairs || groups % 2 == 1;
+    // The rows of a large batch are quantized in parallel: done serially they were a tenth of a
+    // 16-row Q8_0 product, with the other thread idle. A small batch's are quantized here:
+    // waking the other thread for them took longer than the work (16 rows of 768: 11.4 µs in
+    // parallel, 8.3 serially, Zen 5).
+    let parallel = m * k >= PARALLEL_QUANTIZATION;
+    let quantize = |rows: &[f32]| if parallel { rows.par_chunks_exact(k).map(quantize_act).collect() } else { rows.chunks_exact(k).map(quantize_act).collect() };
+    let acts: Vec<ActQ8> = if k_quant.is_none() && singles { quantize(x) } else { Vec::new() };
     let acts: Vec<&ActQ8> = acts.iter().collect();
     let acts_k: Vec<ActQ8K> = if k_quant.is_some() { x.par_chunks_exact(k).map(quantize_act_k).collect() } else { Vec::new() };
     let acts_k: Vec<&ActQ8K> = acts_k.iter().collect();
-    let groups = n / GROUP;
-    let grouped_rows = groups * GROUP;
+    let batch = |rows: &[f32]| PairActs::quantize(rows, k);
+    let batches: Vec<PairActs> = match (pairs, parallel) {
+        (false, _) => Vec::new(),
+        (true, true) => x.par_chunks(PAIR_ROWS * k).map(batch).collect(),
+        (true, false) => x.chunks(PAIR_ROWS * k).map(batch).collect(),
+    };
     // Not zeroed first: the groups' tasks and the tail rows below write every element.
     let mut values = Vec::with_capacity(m * n);
     let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
-    // 512-bit vectors take two groups at once (a group's eight rows in each half).
-    let pairs = path == Path::Avx512Vnni && k_quant.is_none();
     (0..groups.div_ceil(GROUPS_PER_TASK)).into_par_iter().for_each(|task| {
         let end = ((task + 1) * GROUPS_PER_TASK).min(groups);
         let mut g = task * GROUPS_PER_TASK;
@@ -283,14 +300,15 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
             let mut done = 0;
             while done < m {
                 if span == 2 {
-                    let take = (m - done).min(PAIR_ROWS);
+                    let batch = &batches[done / PAIR_ROWS];
+                    let take = batch.rows;
                     let mut sums = [[0f32; 2 * GROUP]; PAIR_ROWS];
                     // The last pass over this pair asks for the next pair's bytes (see
                     // `pair_dot`); the next task's first pair, past this task's end, is most often
                     // this thread's too (rayon splits the tasks in contiguous ranges).
                     let pair_at = |g: usize| (g * GROUP * rb).min(grouped_rows * rb);
                     let next = if done + take == m { &w[pair_at(g + 2)..pair_at(g + 4)] } else { &[] };
-                    pair_dot(dtype, groups_bytes, &acts[done..done + take], &mut sums[..take], next);
+                    pair_dot(dtype, groups_bytes, batch, &mut sums[..take], next);
                     // SAFETY: activation rows done..done + take < m and weight rows
                     // g * GROUP..(g + 2) * GROUP < n, in this task's groups: no other task
                     // writes them.
@@ -373,6 +391,50 @@ fn group_dot(path: Path, dtype: Format, group: &[u8], acts: Acts, out: &mut [[f3
     }
 }
 
+/// Up to [`PAIR_ROWS`] quantized activation rows arranged for the 512-bit pair body: block by
+/// block, the rows' 32 bytes one after another, then their scales `d`, their scaled sums `s`
+/// and their `-128 * sums` (where Q8_0's and IQ4_NL's integer sums start, see
+/// `x86::pair_body`), so that every operand of a block lies at a fixed offset from one pointer.
+/// Read from the rows' own vectors, the body reloaded three pointers a row a block from the
+/// stack and shifted and broadcast each bias: a third of its instructions for 64 `vpdpbusd`.
+struct PairActs {
+    rows: usize,
+    blocks: usize,
+    /// `blocks` records of [`PairActs::record`] bytes
+    bytes: Vec<u8>,
+}
+
+impl PairActs {
+    /// Bytes of a block's record for `rows` rows: 32 values and three 4-byte numbers a row.
+    const fn record(rows: usize) -> usize {
+        (QK + 12) * rows
+    }
+
+    /// Quantizes `x` (1 to [`PAIR_ROWS`] rows of `k` values) into its records, each row's
+    /// blocks as [`quantize_act`] makes them.
+    fn quantize(x: &[f32], k: usize) -> PairActs {
+        let rows = x.len() / k;
+        let blocks = k / QK;
+        assert!((1..=PAIR_ROWS).contains(&rows) && x.len() == rows * k && k % QK == 0);
+        let record = Self::record(rows);
+        let mut bytes = vec![0u8; blocks * record];
+        for (j, row) in x.chunks_exact(k).enumerate() {
+            kernels::quantize_act_blocks(row, |b, values, d, sum| {
+                let (values_at, numbers) = (b * record + QK * j, b * record + QK * rows + 4 * j);
+                for (to, &q) in bytes[values_at..values_at + QK].iter_mut().zip(values) {
+                    *to = q as u8;
+                }
+                // |sum| <= 32 * 128, so -128 * sum fits an i32 with room to spare.
+                for (i, number) in [d.to_ne_bytes(), (d * sum as f32).to_ne_bytes(), (-128 * sum).to_ne_bytes()].iter().enumerate() {
+                    let at = numbers + 4 * rows * i;
+                    bytes[at..at + 4].copy_from_slice(number);
+                }
+            });
+        }
+        PairActs { rows, blocks, bytes }
+    }
+}
+
 /// Two consecutive groups' sixteen rows (`groups`: their bytes) against up to [`PAIR_ROWS`]
 /// activation rows on 512-bit vectors: `out[j][r]`, the lanes of [`group_dot`] for each group in
 /// turn. Meanwhile it asks for `next` (the next pair's bytes, or none) to be brought into L2, an
@@ -382,20 +444,19 @@ fn group_dot(path: Path, dtype: Format, group: &[u8], acts: Acts, out: &mut [[f3
 /// shape in Q8_0, ms a step, alternating runs: 2.96-3.24 -> 2.57-2.85 at one row, 5.82-6.38 ->
 /// 4.15-4.62 at eight, 10.5-12.2 -> 7.1-8.5 at sixteen; SmolLM2 Q4_1 at one row 3.63-3.84 ->
 /// 2.51-2.81. (Two pairs ahead measured the same.)
-fn pair_dot(dtype: Format, groups: &[u8], acts: &[&ActQ8], out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
-    let blocks = acts[0].d.len();
-    assert!(acts.len() <= PAIR_ROWS && acts.len() == out.len());
+fn pair_dot(dtype: Format, groups: &[u8], acts: &PairActs, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
+    let blocks = acts.blocks;
+    assert!(acts.rows == out.len());
     assert!(groups.len() == 2 * blocks * Parts::of(dtype).group_bytes());
-    assert!(acts.iter().all(|a| a.d.len() == blocks && a.s.len() == blocks && a.sums.len() == blocks && a.qs.len() == blocks * QK));
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `matmul` asserted this CPU has the path, and takes pairs only on the AVX-512 VNNI
-    // one (F, BW, VL, VNNI); `groups` holds two groups of `blocks` group-blocks of `dtype` and
-    // every activation row `blocks` blocks (asserted above).
+    // one (F, BW, VL, VNNI); `groups` holds two groups of `blocks` group-blocks of `dtype`,
+    // `acts` `blocks` records of its rows (`PairActs::new`) and `out` a row each.
     unsafe {
-        x86::pair_vnni(dtype, groups.as_ptr(), blocks, acts, out, next)
+        x86::pair_vnni(dtype, groups.as_ptr(), blocks, acts.bytes.as_ptr(), acts.rows, out, next)
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("no AVX-512 path off x86-64 ({dtype:?}, {} bytes, {} rows, {} outputs, {} ahead)", groups.len(), acts.len(), out.len(), next.len())
+    unreachable!("no AVX-512 path off x86-64 ({dtype:?}, {} bytes, {} rows, {} outputs, {} ahead)", groups.len(), acts.rows, out.len(), next.len())
 }
 
 /// The scalar reference: per block and lane, `acc = fma(isum, d_w * d_x, acc)` then
@@ -655,26 +716,27 @@ mod x86 {
         })
     }
 
-    /// Two groups' sixteen rows against `acts` (1 to [`super::PAIR_ROWS`] rows) on 512-bit
-    /// vectors: group g in lanes 0..8 and group g + 1 in lanes 8..16, each lane the same
+    /// Two groups' sixteen rows against `rows` (1 to [`super::PAIR_ROWS`]) activation rows on
+    /// 512-bit vectors: group g in lanes 0..8 and group g + 1 in lanes 8..16, each lane the same
     /// arithmetic as [`body`]'s; `next`'s bytes are asked into L2 meanwhile (`super::pair_dot`).
     ///
     /// # Safety
     /// The CPU has AVX-512 F, BW, VL and VNNI (and AVX2, FMA, F16C); `groups` points to two
     /// consecutive groups of `blocks` group-blocks of `dtype` (a packable 32-value format);
-    /// every activation row holds `blocks` blocks; `out` has `acts.len()` rows.
+    /// `acts` to `blocks` records of `rows` activation rows (`super::PairActs`); `out` has
+    /// `rows` rows.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn pair_vnni(dtype: Format, groups: *const u8, blocks: usize, acts: &[&ActQ8], out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
-        // SAFETY: forwarded contract; each arm passes exactly its number of rows.
+    pub unsafe fn pair_vnni(dtype: Format, groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
+        // SAFETY: forwarded contract.
         unsafe {
-            match (dtype, acts.len()) {
-                (Format::Q4_0, n) => pair_rows::<Q4_0>(n, groups, blocks, acts, out, next),
-                (Format::Q4_1, n) => pair_rows::<Q4_1>(n, groups, blocks, acts, out, next),
-                (Format::Q5_0, n) => pair_rows::<Q5_0>(n, groups, blocks, acts, out, next),
-                (Format::Q5_1, n) => pair_rows::<Q5_1>(n, groups, blocks, acts, out, next),
-                (Format::Q8_0, n) => pair_rows::<Q8_0>(n, groups, blocks, acts, out, next),
-                (Format::Iq4Nl, n) => pair_rows::<IQ4_NL>(n, groups, blocks, acts, out, next),
-                (other, _) => unreachable!("{other:?} is not held interleaved in 32-value groups"),
+            match dtype {
+                Format::Q4_0 => pair_rows::<Q4_0>(groups, blocks, acts, rows, out, next),
+                Format::Q4_1 => pair_rows::<Q4_1>(groups, blocks, acts, rows, out, next),
+                Format::Q5_0 => pair_rows::<Q5_0>(groups, blocks, acts, rows, out, next),
+                Format::Q5_1 => pair_rows::<Q5_1>(groups, blocks, acts, rows, out, next),
+                Format::Q8_0 => pair_rows::<Q8_0>(groups, blocks, acts, rows, out, next),
+                Format::Iq4Nl => pair_rows::<IQ4_NL>(groups, blocks, acts, rows, out, next),
+                other => unreachable!("{other:?} is not held interleaved in 32-value groups"),
             }
         }
     }
@@ -682,20 +744,20 @@ mod x86 {
     /// Dispatches on the batch size, as [`rows`].
     ///
     /// # Safety
-    /// As [`pair_vnni`], with `n == acts.len()`.
+    /// As [`pair_vnni`].
     #[inline(always)]
-    unsafe fn pair_rows<const F: u8>(n: usize, groups: *const u8, blocks: usize, acts: &[&ActQ8], out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
-        // SAFETY: forwarded contract; each arm passes exactly its number of rows.
+    unsafe fn pair_rows<const F: u8>(groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
+        // SAFETY: forwarded contract; each arm is its number of rows.
         unsafe {
-            match n {
-                1 => pair_body::<F, 1>(groups, blocks, [acts[0]], out, next),
-                2 => pair_body::<F, 2>(groups, blocks, [acts[0], acts[1]], out, next),
-                3 => pair_body::<F, 3>(groups, blocks, [acts[0], acts[1], acts[2]], out, next),
-                4 => pair_body::<F, 4>(groups, blocks, [acts[0], acts[1], acts[2], acts[3]], out, next),
-                5 => pair_body::<F, 5>(groups, blocks, [acts[0], acts[1], acts[2], acts[3], acts[4]], out, next),
-                6 => pair_body::<F, 6>(groups, blocks, [acts[0], acts[1], acts[2], acts[3], acts[4], acts[5]], out, next),
-                7 => pair_body::<F, 7>(groups, blocks, [acts[0], acts[1], acts[2], acts[3], acts[4], acts[5], acts[6]], out, next),
-                _ => pair_body::<F, 8>(groups, blocks, [acts[0], acts[1], acts[2], acts[3], acts[4], acts[5], acts[6], acts[7]], out, next),
+            match rows {
+                1 => pair_body::<F, 1>(groups, blocks, acts, out, next),
+                2 => pair_body::<F, 2>(groups, blocks, acts, out, next),
+                3 => pair_body::<F, 3>(groups, blocks, acts, out, next),
+                4 => pair_body::<F, 4>(groups, blocks, acts, out, next),
+                5 => pair_body::<F, 5>(groups, blocks, acts, out, next),
+                6 => pair_body::<F, 6>(groups, blocks, acts, out, next),
+                7 => pair_body::<F, 7>(groups, blocks, acts, out, next),
+                _ => pair_body::<F, 8>(groups, blocks, acts, out, next),
             }
         }
     }
@@ -703,20 +765,24 @@ mod x86 {
     /// The lane-wise dot products of `R` activation rows with two groups' sixteen rows. There
     /// is no `vpsignb` on 512-bit vectors, so Q8_0's values go in as `w + 128` (a u8, one xor
     /// shared by every activation row), IQ4_NL's as their levels plus 128 (one `vpshufb` of
-    /// a biased table), and `128 * sum(x)` comes off each block's integer sum: the same i32,
-    /// hence the same result, as [`body`]'s.
+    /// a biased table), and each block's integer sum starts at `-128 * sum(x)`: the same i32
+    /// (the additions wrap, in any order), hence the same result, as [`body`]'s.
     ///
     /// # Safety
-    /// As [`pair_vnni`], with `R` equal to the number of rows of `out`.
+    /// As [`pair_vnni`], with `R` its `rows` and `out`'s.
     #[inline(always)]
-    unsafe fn pair_body<const F: u8, const R: usize>(groups: *const u8, blocks: usize, acts: [&ActQ8; R], out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
+    unsafe fn pair_body<const F: u8, const R: usize>(groups: *const u8, blocks: usize, acts: *const u8, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
         let p = parts_of::<F>();
         let gbytes = p.group_bytes();
         // group g + 1's group-block b is one whole group after group g's
         let second = blocks * gbytes;
+        // a block's record (`PairActs`): R rows' 32 bytes, then R each of d, s and -128 * sums
+        let record = super::PairActs::record(R);
+        let (d_at, s_at, bias_at) = (QK * R, (QK + 4) * R, (QK + 8) * R);
+        let share = prefetch_share(next, blocks);
         // SAFETY (whole block): AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C are enabled by the
-        // caller; group-block b < blocks of either group is in bounds (`second` bytes apart), and
-        // activation bytes b * 32 + 32, sums and scales b of every row (the caller's contract).
+        // caller; group-block b < blocks of either group is in bounds (`second` bytes apart),
+        // and so is record b of the activations, whose offsets stay inside its `record` bytes.
         unsafe {
             let mut acc = [_mm512_setzero_ps(); R];
             // IQ4_NL's sixteen levels plus 128, in each 128-bit lane (`vpshufb` looks up within one)
@@ -726,8 +792,12 @@ mod x86 {
                 _mm512_setzero_si512()
             };
             for b in 0..blocks {
-                prefetch_share(next, b, blocks);
+                for line in (b * share..((b + 1) * share).min(next.len())).step_by(64) {
+                    // A prefetch reads nothing and cannot fault; SSE is part of x86-64.
+                    _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(line).cast());
+                }
                 let gb = groups.add(b * gbytes);
+                let x = acts.add(b * record);
                 let d = both_f16(gb, second);
                 let c = match F {
                     Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
@@ -736,14 +806,18 @@ mod x86 {
                     _ => _mm512_setzero_ps(),
                 };
                 let qs = gb.add(p.group_qs());
-                let x0 = b * QK;
                 let mut isum = [_mm512_setzero_si512(); R];
+                if F == Q8_0 || F == IQ4_NL {
+                    for j in 0..R {
+                        isum[j] = broadcast4_512(x.add(bias_at + 4 * j));
+                    }
+                }
                 if F == Q8_0 {
                     let bias = _mm512_set1_epi8(-128);
                     for t in 0..8 {
                         let w = _mm512_xor_si512(both(qs.add(32 * t), second), bias);
                         for j in 0..R {
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], w, broadcast4_512(acts[j], x0 + 4 * t));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], w, broadcast4_512(x.add(QK * j + 4 * t)));
                         }
                     }
                 } else if F == IQ4_NL {
@@ -754,8 +828,8 @@ mod x86 {
                         let lo = _mm512_shuffle_epi8(biased_levels, _mm512_and_si512(chunk, low));
                         let hi = _mm512_shuffle_epi8(biased_levels, _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), low));
                         for j in 0..R {
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4_512(acts[j], x0 + 4 * u));
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4_512(acts[j], x0 + 16 + 4 * u));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4_512(x.add(QK * j + 4 * u)));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4_512(x.add(QK * j + 16 + 4 * u)));
                         }
                     }
                 } else {
@@ -770,21 +844,16 @@ mod x86 {
                             hi = _mm512_or_si512(hi, both_high_bits(qh.add(4 * (u + 4)), second));
                         }
                         for j in 0..R {
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4_512(acts[j], x0 + 4 * u));
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4_512(acts[j], x0 + 16 + 4 * u));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4_512(x.add(QK * j + 4 * u)));
+                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4_512(x.add(QK * j + 16 + 4 * u)));
                         }
                     }
                 }
-                if F == Q8_0 || F == IQ4_NL {
-                    for j in 0..R {
-                        isum[j] = _mm512_sub_epi32(isum[j], _mm512_set1_epi32(128 * *acts[j].sums.get_unchecked(b)));
-                    }
-                }
                 for j in 0..R {
-                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(*acts[j].d.get_unchecked(b)));
+                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(x.add(d_at + 4 * j).cast::<f32>().read_unaligned()));
                     acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), scale, acc[j]);
                     if F != Q8_0 && F != IQ4_NL {
-                        acc[j] = _mm512_fmadd_ps(c, _mm512_set1_ps(*acts[j].s.get_unchecked(b)), acc[j]);
+                        acc[j] = _mm512_fmadd_ps(c, _mm512_set1_ps(x.add(s_at + 4 * j).cast::<f32>().read_unaligned()), acc[j]);
                     }
                 }
             }
@@ -798,17 +867,10 @@ mod x86 {
     // body is compiled without its caller's target features, and one (the fifth bits) was
     // called, not inlined, which made Q5_0 ten times slower.
 
-    /// Asks for share `b` of `blocks` equal shares of `bytes` (the cache lines that start in
-    /// it) to be brought into L2.
+    /// Bytes of `next` a block asks for, whole cache lines: an equal share of it over `blocks`.
     #[inline(always)]
-    fn prefetch_share(bytes: &[u8], b: usize, blocks: usize) {
-        let mut line = (b * bytes.len() / blocks).div_ceil(64) * 64;
-        while line < (b + 1) * bytes.len() / blocks {
-            // SAFETY: `line < bytes.len()`; a prefetch reads nothing and cannot fault, and SSE is
-            // part of x86-64.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(bytes.as_ptr().add(line).cast()) };
-            line += 64;
-        }
+    fn prefetch_share(next: &[u8], blocks: usize) -> usize {
+        next.len().div_ceil(64 * blocks) * 64
     }
 
     /// 32 bytes at `at` (lanes 0..8) and at `at + second` (lanes 8..16).
@@ -841,14 +903,15 @@ mod x86 {
         unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(high_bits(at)), high_bits(at.add(second))) }
     }
 
-    /// Four activation bytes `at..at+4` of a row, in every 32-bit lane of a 512-bit vector.
+    /// The four bytes at `at` (activation values or a number of a `PairActs` record), in every
+    /// 32-bit lane of a 512-bit vector.
     ///
     /// # Safety
-    /// AVX-512 F is enabled by the caller; `at + 4` is within `act.qs`.
+    /// AVX-512 F is enabled by the caller; four readable bytes at `at`.
     #[inline(always)]
-    unsafe fn broadcast4_512(act: &ActQ8, at: usize) -> __m512i {
+    unsafe fn broadcast4_512(at: *const u8) -> __m512i {
         // SAFETY: as the caller promises; the load is unaligned.
-        unsafe { _mm512_set1_epi32(act.qs.as_ptr().add(at).cast::<i32>().read_unaligned()) }
+        unsafe { _mm512_set1_epi32(at.cast::<i32>().read_unaligned()) }
     }
 
 }
@@ -934,12 +997,13 @@ pub(super) mod tests {
 
     /// Every path this CPU has equals the scalar reference bit for bit on the grouped rows, on
     /// every format and batch size (tail rows: to rounding); the reference is within activation rounding of the dequantized product; and
-    /// a row's result is the same alone or in a batch.
+    /// a row's result is the same alone or in a batch. The last shape is a batch large enough
+    /// to be quantized in parallel, with a group left over from the pairs.
     #[test]
     fn every_path_equals_the_reference_and_the_dequantized_product() {
         on_every_path("interleaved kernel", |path| {
             for dtype in FORMATS {
-                for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (7, 64, 40), (9, 1536, 8), (13, 96, 32)] {
+                for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (7, 64, 40), (9, 1536, 8), (13, 96, 32), (70, 1024, 40)] {
                     let bytes = blocks(dtype, n, k, (m * k + n) as u64);
                     let x = values(m * k, 7 + k as u64);
                     let at = format!("{path:?} {dtype:?} m{m} k{k} n{n}");

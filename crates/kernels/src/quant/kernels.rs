@@ -103,17 +103,31 @@ pub struct ActQ8 {
 
 /// Q8_0-style quantization of `x` (a multiple of 32 values), scales kept in f32.
 pub fn quantize_act(x: &[f32]) -> ActQ8 {
+    let blocks = x.len() / QK;
+    let mut act = ActQ8 { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), qs: vec![0; x.len()], sums: Vec::with_capacity(blocks) };
+    quantize_act_blocks(x, |b, values, d, sum| {
+        act.qs[b * QK..(b + 1) * QK].copy_from_slice(values);
+        act.d.push(d);
+        act.s.push(d * sum as f32);
+        act.sums.push(sum);
+    });
+    act
+}
+
+/// [`quantize_act`] block by block: `put(b, values, d, sum)` gets block `b`'s 32 bytes, its
+/// scale and the sum of its bytes, in order, for whatever layout the caller keeps them in.
+pub fn quantize_act_blocks(x: &[f32], mut put: impl FnMut(usize, &[i8; QK], f32, i32)) {
     #[cfg(target_arch = "x86_64")]
     if Path::selected() >= Path::Avx2 {
         // SAFETY: the selected path is available, and every path from Avx2 up includes AVX2.
-        return unsafe { quantize_act_avx2(x) };
+        return unsafe { quantize_blocks_avx2(x, &mut put) };
     }
-    quantize_act_body(x)
+    quantize_blocks_body(x, &mut put)
 }
 
-/// [`quantize_act_body`]'s bytes, scales and sums, each 32-value block in AVX2 registers. The
-/// compiler kept the scalar form's rounding (`round_to_i8`: a saturating float-to-int cast and
-/// two compares per value) scalar, about 3 ns a value: 5% of a 16-row Q8_0 decode step.
+/// [`quantize_blocks_body`]'s bytes, scales and sums, each 32-value block in AVX2 registers.
+/// The compiler kept the scalar form's rounding (`round_to_i8`: a saturating float-to-int cast
+/// and two compares per value) scalar, about 3 ns a value: 5% of a 16-row Q8_0 decode step.
 ///
 /// The same results, operation for operation: the largest magnitude in eight lanes (a maximum
 /// is exact in any order; `maxps` returns its second operand when either is NaN, so a NaN value
@@ -125,11 +139,10 @@ pub fn quantize_act(x: &[f32]) -> ActQ8 {
 /// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_act_avx2(x: &[f32]) -> ActQ8 {
+unsafe fn quantize_blocks_avx2(x: &[f32], put: &mut impl FnMut(usize, &[i8; QK], f32, i32)) {
     use std::arch::x86_64::*;
-    let blocks = x.len() / QK;
-    let mut act = ActQ8 { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), qs: vec![0; x.len()], sums: Vec::with_capacity(blocks) };
-    for (values, qs) in x.chunks_exact(QK).zip(act.qs.chunks_exact_mut(QK)) {
+    for (b, values) in x.chunks_exact(QK).enumerate() {
+        let mut qs = [0i8; QK];
         // SAFETY: AVX2 is enabled here; `values` holds QK = 32 floats, read as four vectors,
         // and `qs` 32 bytes, written as one.
         let (d, sum) = unsafe {
@@ -162,11 +175,8 @@ unsafe fn quantize_act_avx2(x: &[f32]) -> ActQ8 {
             let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
             (d, _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s))))
         };
-        act.d.push(d);
-        act.s.push(d * sum as f32);
-        act.sums.push(sum);
+        put(b, &qs, d, sum);
     }
-    act
 }
 
 /// The largest magnitude of a block, NaNs skipped.
@@ -174,25 +184,21 @@ fn block_amax(values: &[f32]) -> f32 {
     values.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
-/// The scalar reference of [`quantize_act`] (and its portable path): per block the largest
-/// magnitude maps to 127, each value rounds half away from zero.
-fn quantize_act_body(x: &[f32]) -> ActQ8 {
-    let blocks = x.len() / QK;
-    let mut act = ActQ8 { d: Vec::with_capacity(blocks), s: Vec::with_capacity(blocks), qs: vec![0; x.len()], sums: Vec::with_capacity(blocks) };
-    for (values, qs) in x.chunks_exact(QK).zip(act.qs.chunks_exact_mut(QK)) {
+/// The scalar reference of [`quantize_act_blocks`] (and its portable path): per block the
+/// largest magnitude maps to 127, each value rounds half away from zero.
+fn quantize_blocks_body(x: &[f32], put: &mut impl FnMut(usize, &[i8; QK], f32, i32)) {
+    for (b, values) in x.chunks_exact(QK).enumerate() {
         let amax = block_amax(values);
         let d = amax / 127.0;
         let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+        let mut qs = [0i8; QK];
         let mut sum = 0i32;
         for (q, v) in qs.iter_mut().zip(values) {
             *q = super::kquant::round_to_i8(v * inv);
             sum += *q as i32;
         }
-        act.d.push(d);
-        act.s.push(d * sum as f32);
-        act.sums.push(sum);
+        put(b, &qs, d, sum);
     }
-    act
 }
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
@@ -744,14 +750,14 @@ mod tests {
         // a block whose scale is 1: its values land on exact halves, rounded away from zero
         x[256..288].iter_mut().enumerate().for_each(|(i, v)| *v = i as f32 * 4.0 - 61.5);
         x[287] = 127.0;
-        let scalar = quantize_act_body(&x);
+        // every block's (bytes, scale bits, sum), in order
+        let mut scalar = Vec::new();
+        quantize_blocks_body(&x, &mut |b, q, d, sum| scalar.push((b, *q, d.to_bits(), sum)));
+        let mut avx2 = Vec::new();
         // SAFETY: the CPU has AVX2 (checked above).
-        let avx2 = unsafe { quantize_act_avx2(&x) };
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(avx2.qs, scalar.qs);
-        assert_eq!(avx2.sums, scalar.sums);
-        assert_eq!(bits(&avx2.d), bits(&scalar.d));
-        assert_eq!(bits(&avx2.s), bits(&scalar.s));
+        unsafe { quantize_blocks_avx2(&x, &mut |b, q, d, sum| avx2.push((b, *q, d.to_bits(), sum))) };
+        assert_eq!(scalar.len(), x.len() / QK);
+        assert_eq!(avx2, scalar);
     }
 
     /// A row's product does not depend on the batch it is in: the four-row SIMD path adds in
