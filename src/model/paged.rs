@@ -10,7 +10,7 @@
 //! narrowed views had to be made contiguous anyway), so decode speed does not drop.
 //!
 //! A decode step on a CPU (one new token of a sequence, f32) skips that copy: attention reads
-//! the blocks where they are ([`LayerBlocks::host_history`], `tpserve_kernels::attention`).
+//! the blocks where they are ([`LayerBlocks::host_histories`], `tpserve_kernels::attention`).
 //! There the blocks may hold f16 instead of the compute dtype (`--kv-cache-dtype f16`): keys
 //! and values are rounded to f16 as they are written, and the kernel widens them as it reads.
 //!
@@ -118,37 +118,46 @@ impl LayerBlocks {
         Ok(())
     }
 
-    /// Calls `f` with the history of positions 0..total through `table`, read in place from a
-    /// CPU's f32 or f16 blocks: one [`HostBlock`] per block, in position order. None when the
-    /// blocks are on another device or in another dtype.
-    pub fn host_history<R>(&self, table: &[u32], total: usize, f: impl FnOnce(HostHistory<'_>) -> R) -> Result<Option<R>> {
-        let used = total.div_ceil(self.block_size);
-        if table.len() < used {
-            bail!("the block table covers {} positions, not {total}", table.len() * self.block_size);
-        }
-        let mut guards = Vec::with_capacity(used);
+    /// Calls `f` with the histories of several sequences, (block table, positions 0..total)
+    /// each, read in place from a CPU's f32 or f16 blocks: per sequence one [`HostBlock`] per
+    /// block, in position order; the sequences in the order given. None when any block is on
+    /// another device or in another dtype.
+    pub fn host_histories<R>(&self, tables: &[(&[u32], usize)], f: impl FnOnce(HostHistories<'_>) -> R) -> Result<Option<R>> {
+        let mut guards = Vec::with_capacity(tables.len());
         let mut dtype = None;
-        for &id in &table[..used] {
-            let Some((k, v)) = self.blocks.get(id as usize).and_then(Option::as_ref) else {
-                bail!("block {id} is in a block table but was never written");
-            };
-            if !matches!(k.dtype(), DType::F32 | DType::F16) || !k.device().is_cpu() || *dtype.get_or_insert(k.dtype()) != k.dtype() {
-                return Ok(None);
+        for &(table, total) in tables {
+            let used = total.div_ceil(self.block_size);
+            if table.len() < used {
+                bail!("the block table covers {} positions, not {total}", table.len() * self.block_size);
             }
-            guards.push((k.storage_and_layout(), v.storage_and_layout()));
+            let mut sequence = Vec::with_capacity(used);
+            for &id in &table[..used] {
+                let Some((k, v)) = self.blocks.get(id as usize).and_then(Option::as_ref) else {
+                    bail!("block {id} is in a block table but was never written");
+                };
+                if !matches!(k.dtype(), DType::F32 | DType::F16) || !k.device().is_cpu() || *dtype.get_or_insert(k.dtype()) != k.dtype() {
+                    return Ok(None);
+                }
+                sequence.push((k.storage_and_layout(), v.storage_and_layout()));
+            }
+            guards.push((sequence, total));
         }
-        let mut cpu = Vec::with_capacity(used);
-        for ((k, k_layout), (v, v_layout)) in &guards {
-            let (Storage::Cpu(k), Storage::Cpu(v)) = (&**k, &**v) else { return Ok(None) };
-            cpu.push(((k, *k_layout), (v, *v_layout)));
+        let mut cpu = Vec::with_capacity(guards.len());
+        for (sequence, total) in &guards {
+            let mut blocks = Vec::with_capacity(sequence.len());
+            for ((k, k_layout), (v, v_layout)) in sequence {
+                let (Storage::Cpu(k), Storage::Cpu(v)) = (&**k, &**v) else { return Ok(None) };
+                blocks.push(((k, *k_layout), (v, *v_layout)));
+            }
+            cpu.push((blocks, *total));
         }
         Ok(Some(match dtype {
-            Some(DType::F16) => f(HostHistory::F16(self.host_blocks(&cpu, total)?)),
-            _ => f(HostHistory::F32(self.host_blocks(&cpu, total)?)),
+            Some(DType::F16) => f(HostHistories::F16(cpu.iter().map(|(blocks, total)| self.host_blocks(blocks, *total)).collect::<Result<_>>()?)),
+            _ => f(HostHistories::F32(cpu.iter().map(|(blocks, total)| self.host_blocks(blocks, *total)).collect::<Result<_>>()?)),
         }))
     }
 
-    /// The blocks of [`Self::host_history`] as slices of `T`, the blocks' element type.
+    /// A sequence's blocks of [`Self::host_histories`] as slices of `T`, the blocks' element type.
     fn host_blocks<'a, T: candle_core::WithDType>(&self, storage: &[CpuBlock<'a, '_>], total: usize) -> Result<Vec<HostBlock<'a, T>>> {
         let mut history = Vec::with_capacity(storage.len());
         for (i, ((k, k_layout), (v, v_layout))) in storage.iter().enumerate() {
@@ -210,10 +219,10 @@ pub use tpserve_kernels::attention::HostBlock;
 /// A block's keys and values on a CPU: (storage, layout) each.
 type CpuBlock<'a, 'l> = ((&'a candle_core::CpuStorage, &'l candle_core::Layout), (&'a candle_core::CpuStorage, &'l candle_core::Layout));
 
-/// A sequence's history read in place on a CPU, in the blocks' element type.
-pub enum HostHistory<'a> {
-    F32(Vec<HostBlock<'a, f32>>),
-    F16(Vec<HostBlock<'a, half::f16>>),
+/// Sequences' histories read in place on a CPU, in the blocks' element type.
+pub enum HostHistories<'a> {
+    F32(Vec<Vec<HostBlock<'a, f32>>>),
+    F16(Vec<Vec<HostBlock<'a, half::f16>>>),
 }
 
 /// The block table `first, first + 1, ...` for `positions` positions: for drivers that run
@@ -267,9 +276,9 @@ mod tests {
         assert_eq!(read_values.flatten_all()?.to_vec1::<f32>()?, rounded(&values)?.flatten_all()?.to_vec1::<f32>()?);
         assert_eq!(keys_t.flatten_all()?.to_vec1::<f32>()?, rounded(&keys.transpose(1, 2)?.contiguous()?)?.flatten_all()?.to_vec1::<f32>()?);
         let (positions, first) = layer
-            .host_history(&table, 6, |history| match history {
-                HostHistory::F16(blocks) => (blocks.iter().map(|b| b.positions).collect::<Vec<_>>(), blocks[0].values[0].to_f32()),
-                HostHistory::F32(_) => (Vec::new(), f32::NAN),
+            .host_histories(&[(&table, 6)], |histories| match histories {
+                HostHistories::F16(all) => (all[0].iter().map(|b| b.positions).collect::<Vec<_>>(), all[0][0].values[0].to_f32()),
+                HostHistories::F32(_) => (Vec::new(), f32::NAN),
             })?
             .expect("f16 blocks on a CPU");
         // two blocks of 4 and 2 positions; the first value of position 0, KV head 0
