@@ -437,13 +437,16 @@ impl PairActs {
 
 /// Two consecutive groups' sixteen rows (`groups`: their bytes) against up to [`PAIR_ROWS`]
 /// activation rows on 512-bit vectors: `out[j][r]`, the lanes of [`group_dot`] for each group in
-/// turn. Meanwhile it asks for `next` (the next pair's bytes, or none) to be brought into L2, an
+/// turn. Meanwhile it asks for `next` (the next pair's bytes, or none) to be brought in, an
 /// equal share of it per block. The hardware prefetchers alone kept too few of the weights' cache
 /// lines in flight: a pair's first pass waited on memory, and at more than eight rows the later
 /// passes, which find the pair in cache, left the memory idle. Zen 5, 2 threads, 100M Qwen3
 /// shape in Q8_0, ms a step, alternating runs: 2.96-3.24 -> 2.57-2.85 at one row, 5.82-6.38 ->
 /// 4.15-4.62 at eight, 10.5-12.2 -> 7.1-8.5 at sixteen; SmolLM2 Q4_1 at one row 3.63-3.84 ->
-/// 2.51-2.81. (Two pairs ahead measured the same.)
+/// 2.51-2.81. (Two pairs ahead measured the same.) The hint is non-temporal: the weights are
+/// read once a step, and so asked for they keep less of the caches from the rest of the step;
+/// against L2's hint, a step's median over 8 alternating runs 2.49 -> 2.41 ms at one row, 4.21
+/// -> 4.04 at eight, the same at sixteen.
 fn pair_dot(dtype: Format, groups: &[u8], acts: &PairActs, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
     let blocks = acts.blocks;
     assert!(acts.rows == out.len());
@@ -718,7 +721,7 @@ mod x86 {
 
     /// Two groups' sixteen rows against `rows` (1 to [`super::PAIR_ROWS`]) activation rows on
     /// 512-bit vectors: group g in lanes 0..8 and group g + 1 in lanes 8..16, each lane the same
-    /// arithmetic as [`body`]'s; `next`'s bytes are asked into L2 meanwhile (`super::pair_dot`).
+    /// arithmetic as [`body`]'s; `next`'s bytes are asked for meanwhile (`super::pair_dot`).
     ///
     /// # Safety
     /// The CPU has AVX-512 F, BW, VL and VNNI (and AVX2, FMA, F16C); `groups` points to two
@@ -794,7 +797,7 @@ mod x86 {
             for b in 0..blocks {
                 for line in (b * share..((b + 1) * share).min(next.len())).step_by(64) {
                     // A prefetch reads nothing and cannot fault; SSE is part of x86-64.
-                    _mm_prefetch::<_MM_HINT_T1>(next.as_ptr().add(line).cast());
+                    _mm_prefetch::<_MM_HINT_NTA>(next.as_ptr().add(line).cast());
                 }
                 let gb = groups.add(b * gbytes);
                 let x = acts.add(b * record);
