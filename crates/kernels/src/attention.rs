@@ -525,20 +525,21 @@ fn prefetch_run<const L2: bool, T>(run: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _MM_HINT_T1, _mm_prefetch};
-        let start = run.as_ptr() as usize;
-        let end = start + std::mem::size_of_val(run);
-        let mut line = start & !63;
+        let start = run.as_ptr().cast::<i8>();
+        let end = start.wrapping_add(std::mem::size_of_val(run));
+        // the start of the line the run's first byte is in
+        let mut line = start.wrapping_sub(start as usize % 64);
         while line < end {
             // SAFETY: a prefetch only hints at an address (a line `run` touches here); it never
             // faults and changes no memory. SSE is part of x86-64.
             unsafe {
                 if L2 {
-                    _mm_prefetch::<_MM_HINT_T1>(line as *const i8)
+                    _mm_prefetch::<_MM_HINT_T1>(line)
                 } else {
-                    _mm_prefetch::<_MM_HINT_T0>(line as *const i8)
+                    _mm_prefetch::<_MM_HINT_T0>(line)
                 }
             }
-            line += 64;
+            line = line.wrapping_add(64);
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
