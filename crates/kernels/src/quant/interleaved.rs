@@ -272,22 +272,13 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
     // takes one group at a time.
     let pairs = path == Path::Avx512Vnni && k_quant.is_none() && groups >= 2;
     let singles = !pairs || groups % 2 == 1;
-    // The rows of a large batch are quantized in parallel: done serially they were a tenth of a
-    // 16-row Q8_0 product, with the other thread idle. A small batch's are quantized here:
-    // waking the other thread for them took longer than the work (16 rows of 768: 11.4 µs in
-    // parallel, 8.3 serially, Zen 5).
-    let parallel = m * k >= PARALLEL_QUANTIZATION;
-    let quantize = |rows: &[f32]| if parallel { rows.par_chunks_exact(k).map(quantize_act).collect() } else { rows.chunks_exact(k).map(quantize_act).collect() };
-    let acts: Vec<ActQ8> = if k_quant.is_none() && singles { quantize(x) } else { Vec::new() };
+    let acts: Vec<ActQ8> = if k_quant.is_none() && singles { quantized(x, k, quantize_act) } else { Vec::new() };
     let acts: Vec<&ActQ8> = acts.iter().collect();
+    // Q8_K rows, slower to make, are quantized in parallel at any batch: at 16 rows, serially,
+    // the K-quant products took 1.0-1.5x the time, most often about 1.3x (Zen 5).
     let acts_k: Vec<ActQ8K> = if k_quant.is_some() { x.par_chunks_exact(k).map(quantize_act_k).collect() } else { Vec::new() };
     let acts_k: Vec<&ActQ8K> = acts_k.iter().collect();
-    let batch = |rows: &[f32]| PairActs::quantize(rows, k);
-    let batches: Vec<PairActs> = match (pairs, parallel) {
-        (false, _) => Vec::new(),
-        (true, true) => x.par_chunks(PAIR_ROWS * k).map(batch).collect(),
-        (true, false) => x.chunks(PAIR_ROWS * k).map(batch).collect(),
-    };
+    let batches: Vec<PairActs> = if pairs { quantized(x, PAIR_ROWS * k, |rows| PairActs::quantize(rows, k)) } else { Vec::new() };
     // Not zeroed first: the groups' tasks and the tail rows below write every element.
     let mut values = Vec::with_capacity(m * n);
     let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
@@ -464,6 +455,19 @@ fn pair_dot(dtype: Format, groups: &[u8], acts: &PairActs, out: &mut [[f32; 2 * 
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("no AVX-512 path off x86-64 ({dtype:?}, {} bytes, {} rows, {} outputs, {} ahead)", groups.len(), acts.rows, out.len(), next.len())
+}
+
+/// `quantize` of each `chunk` values of `x` (a row, or a batch of rows), in order. A large
+/// batch's rows are quantized in parallel: done serially they were a tenth of a 16-row Q8_0
+/// product, with the other thread idle. A small batch's are quantized on the calling thread:
+/// waking the other thread for them took longer than the work (16 rows of 768: 11.4 µs in
+/// parallel, 8.3 serially, Zen 5).
+fn quantized<T: Send>(x: &[f32], chunk: usize, quantize: impl Fn(&[f32]) -> T + Sync + Send) -> Vec<T> {
+    if x.len() >= PARALLEL_QUANTIZATION {
+        x.par_chunks(chunk).map(quantize).collect()
+    } else {
+        x.chunks(chunk).map(quantize).collect()
+    }
 }
 
 /// The scalar reference: per block and lane, `acc = fma(isum, d_w * d_x, acc)` then
