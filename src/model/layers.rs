@@ -9,9 +9,10 @@ use candle_core::{DType, Tensor};
 
 use super::SequenceInput;
 use super::activation::swiglu;
-use super::attention::attend_batch;
+use super::attention::{HeadPrep, attend_batch, attend_host};
 use super::loader::ShardLoader;
 use super::paged::LayerBlocks;
+use super::placement::{Placement, with_host_f32};
 use super::parallel::{ColumnParallelLinear, HeadLayout, RowParallelLinear, RowSlice, TpGroup};
 use super::quant::Weight;
 use super::rope::Rotary;
@@ -52,6 +53,11 @@ impl RmsNorm {
 
     pub fn weight(&self) -> &Tensor {
         &self.scale
+    }
+
+    /// The scale and eps, as the host path of attention takes them.
+    fn host(&self) -> Result<(Vec<f32>, f32)> {
+        Ok((self.scale.to_vec1::<f32>()?, self.eps as f32))
     }
 }
 
@@ -156,7 +162,11 @@ impl Attention {
     ) -> Result<Tensor> {
         let tokens = x.dim(0)?;
         let (hd, lq, lkv) = (self.head_dim, self.heads.local_q_heads, self.heads.local_kv_heads);
-        let parts = self.qkv.forward_split(x)?;
+        let qkv = self.qkv.forward(x)?;
+        if let Some(attended) = self.attend_host(&qkv, batch, rotary, blocks)? {
+            return self.o_proj.forward(&Tensor::from_vec(attended, (tokens, lq * hd), x.device())?);
+        }
+        let parts = self.qkv.split(&qkv)?;
         let (q, gate) = if self.gated {
             let q_gate = parts[0].reshape((tokens, lq, 2 * hd))?;
             (q_gate.narrow(2, 0, hd)?, Some(q_gate.narrow(2, hd, hd)?.reshape((tokens, lq * hd))?))
@@ -179,6 +189,29 @@ impl Attention {
             None => attended,
         };
         self.o_proj.forward(&attended)
+    }
+
+    /// [`Self::forward`]'s attention on a CPU, from the qkv product's rows read in place
+    /// (`attention::attend_host`): [tokens * q_heads * head_dim], or None where it does not
+    /// apply (another device or dtype, the tensor forms asked for, Qwen3.5's gated queries).
+    fn attend_host(&self, qkv: &Tensor, batch: &[SequenceInput<'_>], rotary: &Rotary, blocks: &mut LayerBlocks) -> Result<Option<Vec<f32>>> {
+        if self.gated || Placement::of(qkv.device()) != Placement::Host {
+            return Ok(None);
+        }
+        let (q_norm, k_norm) = (self.q_norm.as_ref().map(RmsNorm::host).transpose()?, self.k_norm.as_ref().map(RmsNorm::host).transpose()?);
+        let attended = rotary.with_host_tables(|cos, sin| -> Result<Option<Vec<f32>>> {
+            let prep = HeadPrep {
+                head_dim: self.head_dim,
+                rotary_dim: self.rotary_dim,
+                q_norm: q_norm.as_ref().map(|(scale, eps)| (&scale[..], *eps)),
+                k_norm: k_norm.as_ref().map(|(scale, eps)| (&scale[..], *eps)),
+                cos,
+                sin,
+            };
+            let attended = with_host_f32(qkv, |rows| attend_host(rows, batch, blocks, &prep, self.heads.local_q_heads, self.heads.local_kv_heads))?;
+            attended.unwrap_or(Ok(None))
+        })?;
+        Ok(attended.transpose()?.flatten())
     }
 
     /// RoPE on the first `rotary_dim` dims of x [1, heads, tokens, head_dim]; the rest pass

@@ -160,7 +160,11 @@ impl ColumnParallelLinear {
 
     /// The output split back into its fused parts, each [tokens, part_local_out].
     pub fn forward_split(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let y = self.forward(x)?;
+        self.split(&self.forward(x)?)
+    }
+
+    /// The fused parts of an output of [`Self::forward`] ([tokens, out]), as views.
+    pub fn split(&self, y: &Tensor) -> Result<Vec<Tensor>> {
         let mut parts = Vec::with_capacity(self.part_sizes.len());
         let mut offset = 0;
         for &size in &self.part_sizes {

@@ -9,7 +9,7 @@
 //! [`TENSOR_OPS_ON_CPU_ENV`] makes a whole CPU rank take the GPU's forms, so that the parity
 //! tests run them end to end against the reference.
 
-use candle_core::Device;
+use candle_core::{DType, Device, Storage, Tensor};
 
 /// Set to `1` (or `true`, `on`), CPU ranks take the tensor-op forms a GPU takes (read once per
 /// process). For tests and benchmarks; it is slower on a CPU.
@@ -33,4 +33,16 @@ impl Placement {
 fn tensor_ops_on_cpu() -> bool {
     static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SET.get_or_init(|| matches!(std::env::var(TENSOR_OPS_ON_CPU_ENV).as_deref(), Ok("1" | "true" | "on")))
+}
+
+/// Calls `f` with the elements of `t`, read in place: a contiguous f32 tensor on a CPU. None
+/// for any other.
+pub fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<Option<R>> {
+    if t.dtype() != DType::F32 || !t.is_contiguous() {
+        return Ok(None);
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else { return Ok(None) };
+    let start = layout.start_offset();
+    Ok(Some(f(&cpu.as_slice::<f32>()?[start..start + t.elem_count()])))
 }

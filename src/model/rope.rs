@@ -7,6 +7,7 @@ use anyhow::{Result, bail};
 use candle_core::{Device, Tensor};
 
 use super::config::RopeScaling;
+use super::placement::with_host_f32;
 
 /// cos/sin tables for every position, [max_positions, rotary_dim / 2].
 pub struct Rotary {
@@ -68,6 +69,12 @@ impl Rotary {
         }
         let shape = (max_positions, inv_freq.len());
         Ok(Self { cos: Tensor::from_vec(cos, shape, device)?, sin: Tensor::from_vec(sin, shape, device)? })
+    }
+
+    /// Calls `f` with the cos and sin tables ([max_positions, rotary_dim / 2] each, row-major)
+    /// where they are f32 in a CPU's memory; None elsewhere.
+    pub fn with_host_tables<R>(&self, f: impl FnOnce(&[f32], &[f32]) -> R) -> Result<Option<R>> {
+        Ok(with_host_f32(&self.cos, |cos| with_host_f32(&self.sin, |sin| f(cos, sin)))?.transpose()?.flatten())
     }
 
     /// x [1, heads, tokens, rotary_dim] rotated at `positions` (one per token).
