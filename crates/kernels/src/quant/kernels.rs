@@ -118,6 +118,11 @@ pub fn quantize_act(x: &[f32]) -> ActQ8 {
 /// scale and the sum of its bytes, in order, for whatever layout the caller keeps them in.
 pub fn quantize_act_blocks(x: &[f32], mut put: impl FnMut(usize, &[i8; QK], f32, i32)) {
     #[cfg(target_arch = "x86_64")]
+    if Path::selected() == Path::Avx512Vnni {
+        // SAFETY: the selected path is available, and it includes AVX-512 F.
+        return unsafe { quantize_blocks_avx512(x, &mut put) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if Path::selected() >= Path::Avx2 {
         // SAFETY: the selected path is available, and every path from Avx2 up includes AVX2.
         return unsafe { quantize_blocks_avx2(x, &mut put) };
@@ -176,6 +181,59 @@ unsafe fn quantize_blocks_avx2(x: &[f32], put: &mut impl FnMut(usize, &[i8; QK],
             (d, _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s))))
         };
         put(b, &qs, d, sum);
+    }
+}
+
+/// [`quantize_blocks_avx2`] on 512-bit vectors: a block's 32 values in two registers, and the
+/// scales of sixteen blocks at a time in one, so that a block's two divisions (`amax / 127`,
+/// then its inverse) are a sixteenth of two `vdivps` rather than two scalar divisions waited on
+/// in turn. The same operations lane for lane as the AVX2 form (the maximum that skips NaNs
+/// takes the running value second), the rounding's ±1 through masks; `vpmovdb` truncates
+/// values already in -128..=127. 16 rows of 768 values, Zen 5: 5.5 -> 3.5 µs (0.45 -> 0.29 ns a
+/// value; 512 rows 175 -> 114 µs).
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn quantize_blocks_avx512(x: &[f32], put: &mut impl FnMut(usize, &[i8; QK], f32, i32)) {
+    use std::arch::x86_64::*;
+    let blocks = x.len() / QK;
+    for first in (0..blocks).step_by(16) {
+        let n = (blocks - first).min(16);
+        let at = |j: usize| x[(first + j) * QK..(first + j + 1) * QK].as_ptr();
+        // SAFETY (whole block): AVX-512 F is enabled here; `at(j)` for j < n points to a whole
+        // block of QK = 32 floats, read as two vectors; `qs` is 32 bytes, written as two halves.
+        unsafe {
+            let magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fff_ffff));
+            let mut amax = [0f32; 16];
+            for (j, amax) in amax.iter_mut().enumerate().take(n) {
+                let (a, b) = (_mm512_and_ps(_mm512_loadu_ps(at(j)), magnitude), _mm512_and_ps(_mm512_loadu_ps(at(j).add(16)), magnitude));
+                *amax = _mm512_reduce_max_ps(_mm512_max_ps(b, _mm512_max_ps(a, _mm512_setzero_ps())));
+            }
+            let d = _mm512_div_ps(_mm512_loadu_ps(amax.as_ptr()), _mm512_set1_ps(127.0));
+            let nonzero = _mm512_cmp_ps_mask::<_CMP_NEQ_UQ>(d, _mm512_setzero_ps());
+            let inv = _mm512_maskz_div_ps(nonzero, _mm512_set1_ps(1.0), d);
+            let (mut ds, mut invs) = ([0f32; 16], [0f32; 16]);
+            _mm512_storeu_ps(ds.as_mut_ptr(), d);
+            _mm512_storeu_ps(invs.as_mut_ptr(), inv);
+            for j in 0..n {
+                let inv = _mm512_set1_ps(invs[j]);
+                let one = _mm512_set1_epi32(1);
+                let q = [0, 16].map(|half| {
+                    let y = _mm512_min_ps(_mm512_set1_ps(127.0), _mm512_max_ps(_mm512_set1_ps(-128.0), _mm512_mul_ps(_mm512_loadu_ps(at(j).add(half)), inv)));
+                    let whole = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                    let frac = _mm512_sub_ps(y, whole);
+                    let t = _mm512_maskz_cvttps_epi32(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(y, y), whole);
+                    let t = _mm512_mask_add_epi32(t, _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5)), t, one);
+                    _mm512_mask_sub_epi32(t, _mm512_cmp_ps_mask::<_CMP_LE_OQ>(frac, _mm512_set1_ps(-0.5)), t, one)
+                });
+                let mut qs = [0i8; QK];
+                _mm_storeu_si128(qs.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q[0]));
+                _mm_storeu_si128(qs.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(q[1]));
+                put(first + j, &qs, ds[j], _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1])));
+            }
+        }
     }
 }
 
@@ -729,11 +787,11 @@ mod tests {
         eprintln!("quantized kernel paths tested on this CPU: {ran:?}");
     }
 
-    /// The AVX2 activation quantization gives the scalar one's bytes, scales and sums, on
+    /// The AVX2 and AVX-512 activation quantizations give the scalar one's bytes, scales and sums, on
     /// ordinary values, exact halves, zero blocks, signed zeros, infinities and NaNs.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn quantizing_activations_with_avx2_equals_the_scalar_form() {
+    fn quantizing_activations_with_avx2_and_avx512_equals_the_scalar_form() {
         if !std::is_x86_feature_detected!("avx2") {
             eprintln!("no AVX2 on this CPU: only the scalar activation quantization runs here");
             return;
@@ -758,6 +816,15 @@ mod tests {
         unsafe { quantize_blocks_avx2(&x, &mut |b, q, d, sum| avx2.push((b, *q, d.to_bits(), sum))) };
         assert_eq!(scalar.len(), x.len() / QK);
         assert_eq!(avx2, scalar);
+        // 40 blocks: two whole sixteens of scales and a part one
+        if std::is_x86_feature_detected!("avx512f") {
+            let mut avx512 = Vec::new();
+            // SAFETY: the CPU has AVX-512 F (checked above).
+            unsafe { quantize_blocks_avx512(&x, &mut |b, q, d, sum| avx512.push((b, *q, d.to_bits(), sum))) };
+            assert_eq!(avx512, scalar);
+        } else {
+            eprintln!("no AVX-512 on this CPU: its activation quantization is not tested here");
+        }
     }
 
     /// A row's product does not depend on the batch it is in: the four-row SIMD path adds in
