@@ -16,6 +16,7 @@ use anyhow::{Result, bail};
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 use tpserve_kernels::attention::{self as kernel, HostBlock, KvElement, Spread, attend_one, visible_prefix};
+use tpserve_kernels::norm::{rms_norm_rows, rope_heads};
 
 use super::SequenceInput;
 use super::paged::{HostHistories, LayerBlocks};
@@ -108,38 +109,13 @@ impl HeadPrep<'_> {
     /// Every head of `x` (heads of `head_dim`) normed by `norm` and rotated at `position`,
     /// into `out`.
     fn heads(&self, x: &[f32], norm: Option<(&[f32], f32)>, position: usize, out: &mut [f32]) {
-        let (hd, half) = (self.head_dim, self.rotary_dim / 2);
         match norm {
-            Some((scale, eps)) => {
-                // Each head's squares summed in order, as `rms_norm` sums them, eight heads side
-                // by side so that the additions of different heads overlap.
-                for (x, out) in x.chunks(8 * hd).zip(out.chunks_mut(8 * hd)) {
-                    let mut sums = [0f32; 8];
-                    for d in 0..hd {
-                        for (h, sum) in sums.iter_mut().enumerate().take(x.len() / hd) {
-                            let v = x[h * hd + d];
-                            *sum += v * v;
-                        }
-                    }
-                    for ((x, out), sum) in x.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(sums) {
-                        let m = (sum / hd as f32 + eps).sqrt();
-                        for ((o, &v), &s) in out.iter_mut().zip(x).zip(scale) {
-                            *o = v / m * s;
-                        }
-                    }
-                }
-            }
+            Some((scale, eps)) => rms_norm_rows(x, self.head_dim, scale, eps, out),
             None => out.copy_from_slice(x),
         }
-        let (cos, sin) = (&self.cos[position * half..(position + 1) * half], &self.sin[position * half..(position + 1) * half]);
-        for head in out.chunks_exact_mut(hd) {
-            let (first, second) = head[..2 * half].split_at_mut(half);
-            for (((a, b), &c), &s) in first.iter_mut().zip(second).zip(cos).zip(sin) {
-                let (x1, x2) = (*a, *b);
-                *a = x1 * c - x2 * s;
-                *b = x1 * s + x2 * c;
-            }
-        }
+        let half = self.rotary_dim / 2;
+        let angles = position * half..(position + 1) * half;
+        rope_heads(out, self.head_dim, self.rotary_dim, &self.cos[angles.clone()], &self.sin[angles]);
     }
 
     /// Positions the tables cover.

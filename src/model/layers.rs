@@ -6,6 +6,8 @@
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
+use tpserve_kernels::norm::rms_norm_rows;
 
 use super::SequenceInput;
 use super::activation::swiglu;
@@ -25,6 +27,11 @@ pub enum NormWeight {
     /// the layer scales by 1 + w, so a zero-initialised w is the identity (Qwen3.5)
     OffsetFromOne,
 }
+
+/// Rows from which [`RmsNorm::forward`] spreads a CPU's rows over the threads, and how many
+/// each task takes.
+const PARALLEL_NORM_ROWS: usize = 64;
+const NORM_ROWS_PER_TASK: usize = 16;
 
 /// RMSNorm computed in f32 (as transformers does), the result cast back to the input's dtype.
 pub struct RmsNorm {
@@ -48,6 +55,24 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?.contiguous()?;
+        if Placement::of(x.device()) == Placement::Host {
+            let (scale, eps) = self.host()?;
+            let width = scale.len();
+            let normed = with_host_f32(&x, |values| {
+                // candle's values, eight rows' sums side by side (`tpserve_kernels::norm`); the
+                // same kernel norms the attention heads (`attention::HeadPrep`)
+                let mut out = vec![0f32; values.len()];
+                if values.len() >= PARALLEL_NORM_ROWS * width {
+                    values.par_chunks(NORM_ROWS_PER_TASK * width).zip(out.par_chunks_mut(NORM_ROWS_PER_TASK * width)).for_each(|(x, out)| rms_norm_rows(x, width, &scale, eps, out));
+                } else {
+                    rms_norm_rows(values, width, &scale, eps, &mut out);
+                }
+                out
+            })?;
+            if let Some(normed) = normed {
+                return Ok(Tensor::from_vec(normed, x.shape(), x.device())?.to_dtype(dtype)?);
+            }
+        }
         Ok(candle_nn::ops::rms_norm(&x, &self.scale, self.eps as f32)?.to_dtype(dtype)?)
     }
 
@@ -266,5 +291,27 @@ impl Mlp {
         // gate and up are fused in that order, each this rank's slice of the intermediate size
         let activated = swiglu(&self.gate_up.forward(x)?)?;
         self.down.forward(&activated)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// On a CPU the norm takes the row kernel; it gives candle's `rms_norm` bits, for a few rows
+    /// on one thread and for enough rows to spread over the threads (an odd number of them).
+    #[test]
+    fn the_host_norm_equals_candles() -> Result<()> {
+        let device = Device::Cpu;
+        let width = 96;
+        let values = |n: usize, seed: u32| -> Vec<f32> { (0..n).map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 3000) as f32 / 900.0 - 1.6).collect() };
+        let norm = RmsNorm { scale: Tensor::from_vec(values(width, 9), width, &device)?, eps: 1e-6 };
+        for rows in [3, 2 * PARALLEL_NORM_ROWS + 5] {
+            let x = Tensor::from_vec(values(rows * width, rows as u32), (rows, width), &device)?;
+            let expected = candle_nn::ops::rms_norm(&x, &norm.scale, norm.eps as f32)?;
+            assert_eq!(norm.forward(&x)?.to_vec2::<f32>()?, expected.to_vec2::<f32>()?, "{rows} rows");
+        }
+        Ok(())
     }
 }

@@ -8,6 +8,7 @@
 //! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
 //!   products with 8-bit activations ([`quant::kernels`]).
 //! - [`activation`]: SwiGLU's `silu(gate) * up` in one pass, with an 8-lane exponential.
+//! - [`norm`]: per-row RMSNorm and RoPE, candle's arithmetic with rows side by side.
 //! - [`attention`]: one query row's attention (a decode step's token or a prompt's row), read in
 //!   place from the paged KV cache.
 //! - [`pages`]: loaded weights moved into 2 MiB pages, which the kernels stream faster.
@@ -20,6 +21,7 @@
 pub mod activation;
 pub mod attention;
 pub mod cpu_matmul;
+pub mod norm;
 mod output;
 pub mod pages;
 pub mod panels;
