@@ -7,7 +7,7 @@
 //!   bf16 weights also against activations rounded to bf16 (`vdpbf16ps`, on request).
 //! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
 //!   products with 8-bit activations ([`quant::kernels`]).
-//! - [`activation`]: SwiGLU's `silu(gate) * up` in one pass, with an 8-lane exponential.
+//! - [`activation`]: SwiGLU's `silu(gate) * up` in one pass, with an 8- or 16-lane exponential.
 //! - [`norm`]: per-row RMSNorm and RoPE, candle's arithmetic with rows side by side.
 //! - [`attention`]: one query row's attention (a decode step's token or a prompt's row), read in
 //!   place from the paged KV cache.
