@@ -15,9 +15,11 @@ pub fn rms_norm_rows(x: &[f32], width: usize, scale: &[f32], eps: f32, out: &mut
     for (x, out) in x.chunks(ROWS_TOGETHER * width).zip(out.chunks_mut(ROWS_TOGETHER * width)) {
         let rows = x.len() / width;
         let mut sums = [0f32; ROWS_TOGETHER];
+        // one slice per row, of a length the compiler knows, so that the loop has no bounds checks
+        let row: [&[f32]; ROWS_TOGETHER] = std::array::from_fn(|r| if r < rows { &x[r * width..(r + 1) * width] } else { &x[..width] });
         for d in 0..width {
-            for (r, sum) in sums.iter_mut().enumerate().take(rows) {
-                let v = x[r * width + d];
+            for (sum, row) in sums.iter_mut().zip(&row) {
+                let v = row[d];
                 *sum += v * v;
             }
         }
