@@ -55,9 +55,9 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?.contiguous()?;
-        if Placement::of(x.device()) == Placement::Host {
+        let width = self.scale.elem_count();
+        if Placement::of(x.device()) == Placement::Host && x.dims().last() == Some(&width) {
             let (scale, eps) = self.host()?;
-            let width = scale.len();
             let normed = with_host_f32(&x, |values| {
                 // candle's values, eight rows' sums side by side (`tpserve_kernels::norm`); the
                 // same kernel norms the attention heads (`attention::HeadPrep`)
@@ -80,7 +80,7 @@ impl RmsNorm {
         &self.scale
     }
 
-    /// The scale and eps, as the host path of attention takes them.
+    /// The scale and eps, as the CPU paths (this norm's rows, the attention's heads) take them.
     fn host(&self) -> Result<(Vec<f32>, f32)> {
         Ok((self.scale.to_vec1::<f32>()?, self.eps as f32))
     }
