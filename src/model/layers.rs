@@ -55,32 +55,43 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?.contiguous()?;
-        let width = self.scale.elem_count();
-        if Placement::of(x.device()) == Placement::Host && x.dims().last() == Some(&width) {
-            let (scale, eps) = self.host()?;
-            let normed = with_host_f32(&x, |values| {
-                // candle's values, eight rows' sums side by side (`tpserve_kernels::norm`); the
-                // same kernel norms the attention heads (`attention::HeadPrep`)
-                let mut out = vec![0f32; values.len()];
-                if values.len() >= PARALLEL_NORM_ROWS * width {
-                    values.par_chunks(NORM_ROWS_PER_TASK * width).zip(out.par_chunks_mut(NORM_ROWS_PER_TASK * width)).for_each(|(x, out)| rms_norm_rows(x, width, &scale, eps, out));
-                } else {
-                    rms_norm_rows(values, width, &scale, eps, &mut out);
-                }
-                out
-            })?;
-            if let Some(normed) = normed {
-                return Ok(Tensor::from_vec(normed, x.shape(), x.device())?.to_dtype(dtype)?);
-            }
+        if let Some(normed) = self.forward_host(&x)? {
+            return Ok(normed.to_dtype(dtype)?);
         }
         Ok(candle_nn::ops::rms_norm(&x, &self.scale, self.eps as f32)?.to_dtype(dtype)?)
+    }
+
+    /// On a CPU, candle's values from the row kernel (`tpserve_kernels::norm`: eight rows' sums
+    /// side by side; the same kernel norms the attention heads, `attention::HeadPrep`), x and
+    /// the scale read in place. None elsewhere, or for an x whose last dim is not the scale's
+    /// (candle's op then gives the error).
+    fn forward_host(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let width = self.scale.elem_count();
+        if Placement::of(x.device()) != Placement::Host || x.dims().last() != Some(&width) {
+            return Ok(None);
+        }
+        let eps = self.eps as f32;
+        let normed = with_host_f32(&self.scale, |scale| {
+            with_host_f32(x, |values| {
+                let mut out = vec![0f32; values.len()];
+                if values.len() >= PARALLEL_NORM_ROWS * width {
+                    values.par_chunks(NORM_ROWS_PER_TASK * width).zip(out.par_chunks_mut(NORM_ROWS_PER_TASK * width)).for_each(|(x, out)| rms_norm_rows(x, width, scale, eps, out));
+                } else {
+                    rms_norm_rows(values, width, scale, eps, &mut out);
+                }
+                out
+            })
+        })?
+        .transpose()?
+        .flatten();
+        Ok(normed.map(|normed| Tensor::from_vec(normed, x.shape(), x.device())).transpose()?)
     }
 
     pub fn weight(&self) -> &Tensor {
         &self.scale
     }
 
-    /// The scale and eps, as the CPU paths (this norm's rows, the attention's heads) take them.
+    /// The scale and eps, as the attention's CPU path takes them for its heads.
     fn host(&self) -> Result<(Vec<f32>, f32)> {
         Ok((self.scale.to_vec1::<f32>()?, self.eps as f32))
     }

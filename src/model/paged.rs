@@ -101,6 +101,7 @@ enum Block {
 struct HostKv<T> {
     kv_heads: usize,
     head_dim: usize,
+    block_size: usize,
     keys_t: Vec<T>,
     values: Vec<T>,
 }
@@ -125,12 +126,12 @@ impl HostElement for half::f16 {
 impl<T: HostElement> HostKv<T> {
     fn new(kv_heads: usize, head_dim: usize, block_size: usize) -> Self {
         let elements = kv_heads * head_dim * block_size;
-        Self { kv_heads, head_dim, keys_t: vec![T::default(); elements], values: vec![T::default(); elements] }
+        Self { kv_heads, head_dim, block_size, keys_t: vec![T::default(); elements], values: vec![T::default(); elements] }
     }
 
     /// Position `offset` of the block gets one position's keys and values, [kv_heads, head_dim] each.
     fn put(&mut self, offset: usize, keys: &[f32], values: &[f32]) {
-        let block_size = self.keys_t.len() / (self.kv_heads * self.head_dim);
+        let block_size = self.block_size;
         for (i, &k) in keys.iter().enumerate() {
             // element (head, d) of the position: row head * head_dim + d of the transposed keys
             self.keys_t[i * block_size + offset] = T::from_f32(k);
@@ -145,7 +146,7 @@ impl<T: HostElement> HostKv<T> {
 
     /// The block's first `positions` positions as tensors (keys transposed), widened to f32.
     fn tensors(&self, positions: usize, device: &Device) -> Result<(Tensor, Tensor)> {
-        let block_size = self.keys_t.len() / (self.kv_heads * self.head_dim);
+        let block_size = self.block_size;
         let widen = |v: &[T]| v.iter().map(|&e| e.widen()).collect::<Vec<f32>>();
         let keys_t = Tensor::from_vec(widen(&self.keys_t), (self.kv_heads, self.head_dim, block_size), device)?;
         let values = Tensor::from_vec(widen(&self.values), (self.kv_heads, block_size, self.head_dim), device)?;
