@@ -40,7 +40,7 @@ fn storage_address(t: &Tensor) -> usize {
 }
 
 /// Moves the host tensors of `weights` (dense matrices, and quantized blocks no other weight
-/// shares; column panels stay where they are) into one buffer per element type, each then
+/// shares, and f32 packings of column panels) into one buffer per element type, each then
 /// held in 2 MiB pages. An error leaves the weights unusable: the caller fails the load.
 pub fn gather(weights: Vec<&mut Weight>) -> Result<Gathered> {
     let mut tensors: Vec<&mut Tensor> = weights.into_iter().flat_map(Weight::host_tensors_mut).collect();
@@ -172,6 +172,31 @@ mod tests {
         // the f32 ones are consecutive in one buffer; the bf16 one did not move
         assert_eq!(address(host_tensor(&weights[2])), address(host_tensor(&weights[0])) + 35 * 4);
         assert_eq!(address(host_tensor(&weights[1])), bf16_at);
+        Ok(())
+    }
+
+    /// f32 packings of column panels join the f32 buffer and multiply as before; bf16 ones stay
+    /// (see `Weight::host_tensors_mut`).
+    #[test]
+    fn f32_panels_join_the_buffer_with_their_products_and_bf16_panels_stay() -> Result<()> {
+        use crate::model::panels::PanelMatrix;
+        use tpserve_kernels::panels::Products;
+        let (rows, cols) = (40, 24);
+        let panels = |seed: u32, dtype: DType| -> Result<Weight> {
+            let t = Tensor::from_vec(values(rows * cols, seed), (rows, cols), &Device::Cpu)?.to_dtype(dtype)?;
+            Ok(Weight::Panels(std::sync::Arc::new(PanelMatrix::pack(&t, Products::Exact)?)))
+        };
+        let mut weights = [panels(1, DType::F32)?, panels(2, DType::BF16)?, panels(3, DType::F32)?];
+        let x = Tensor::from_vec(values(3 * cols, 9), (3, cols), &Device::Cpu)?;
+        let products = |w: &Weight| -> Result<Vec<f32>> { Ok(w.matmul_t(&x)?.flatten_all()?.to_vec1()?) };
+        let before = weights.iter().map(products).collect::<Result<Vec<_>>>()?;
+        let bf16_at = address(host_tensor(&weights[1]));
+        let packed = host_tensor(&weights[0]).elem_count();
+        let moved = gather(weights.iter_mut().collect())?.bytes;
+        assert_eq!(moved, 2 * packed * 4, "both f32 packings, not the bf16 one");
+        assert_eq!(address(host_tensor(&weights[2])), address(host_tensor(&weights[0])) + packed * 4);
+        assert_eq!(address(host_tensor(&weights[1])), bf16_at);
+        assert_eq!(weights.iter().map(products).collect::<Result<Vec<_>>>()?, before);
         Ok(())
     }
 

@@ -108,6 +108,12 @@ impl PanelMatrix {
         &self.data
     }
 
+    /// The same, to be replaced by a view of the same elements elsewhere (`arena::gather`): the
+    /// products read the packing from its layout's start offset.
+    pub fn data_mut(&mut self) -> &mut Tensor {
+        &mut self.data
+    }
+
     pub fn dtype(&self) -> DType {
         self.data.dtype()
     }
