@@ -357,6 +357,25 @@ mod x86 {
         Bf16Pairs,
     }
 
+    impl Form {
+        /// Panels a tile takes against `m` x rows: [`V`], or one for a bf16 weight against a
+        /// few rows. Three bf16 panels side by side (three streams 24 KiB apart at k = 768) were
+        /// read from memory at 33-38 GB/s where one panel after another (one stream) read
+        /// 41-50, with f32 panels at 45-50 either way; which panels a tile takes changes no
+        /// element's additions. Zen 5, 2 threads, [4096x768] streamed from memory, GB/s of
+        /// weights, medians of alternating runs, three panels against one: exact bf16 at 1
+        /// row 37.1 -> 48.9, 2 rows 35.9 -> 41.9, 4 rows 36.0 -> 38.0, 8 rows 33.0 -> 32.1;
+        /// bf16 pairs at 1, 2, 4 and 8 rows 37-40 -> 44-47. [768x2048] and [32000x768] at 1
+        /// row: 35 -> 37-41 and 37 -> 41-50.
+        fn panels_per_tile(self, m: usize) -> usize {
+            match self {
+                Form::Bf16 if m <= 4 => 1,
+                Form::Bf16Pairs if m <= R => 1,
+                _ => V,
+            }
+        }
+    }
+
     /// One task's panels against every x row.
     ///
     /// # Safety
@@ -376,7 +395,8 @@ mod x86 {
         debug_assert!(bf16 || form == Form::F32, "bf16 pairs against an f32 weight");
         let panel_bytes = panel_len(k, bf16) * elem;
         let all_panels = n.div_ceil(PANEL);
-        for_each_tile(panels, n, m, V, R, |rows, columns, i, first| {
+        let group = form.panels_per_tile(m);
+        for_each_tile(panels, n, m, group, R, |rows, columns, i, first| {
             let used = columns.div_ceil(PANEL);
             // A tile of fewer panels points the unused ones at its last (never read).
             let ptrs: [*const u8; V] = std::array::from_fn(|v| base.wrapping_add((first / PANEL + v.min(used - 1)) * panel_bytes));
@@ -391,7 +411,7 @@ mod x86 {
             let last_rows = (i + rows) % super::ROW_BLOCK == 0 || i + rows == m;
             let next_first = first / PANEL + used;
             let next: [*const u8; V] = std::array::from_fn(|v| base.wrapping_add((next_first + v) * panel_bytes));
-            let next = if bf16 && last_rows { &next[..V.min(all_panels.saturating_sub(next_first))] } else { &next[..0] };
+            let next = if bf16 && last_rows { &next[..group.min(all_panels.saturating_sub(next_first))] } else { &next[..0] };
             // Rows of f32 and of u32 pairs have the same 4-byte elements.
             let x_rows = x_base.wrapping_add(i * row_elems * 4);
             // SAFETY: the panels hold `columns` columns packed for k, from column `first`; x
@@ -785,13 +805,13 @@ mod tests {
 
     #[test]
     fn a_row_does_not_depend_on_its_batch() {
-        // Bit for bit, on every path, packing and precision: rows of a batch of 13 (tiles of 8
-        // and 5) and of 100 (three row blocks) against each row alone.
+        // Bit for bit, on every path, packing and precision: rows of a batch of 3 (bf16 tiles of
+        // one panel), 13 (tiles of 8 and 5) and 100 (three row blocks) against each row alone.
         let (n, k) = (130, 257);
         let (f32s, bf16s, _, _) = weights(n, k, 9);
         for isa in paths() {
             for (packed, products) in [(Packed::F32(&f32s), Products::Exact), (Packed::Bf16(&bf16s), Products::Exact), (Packed::Bf16(&bf16s), Products::Bf16)] {
-                for m in [13, 100] {
+                for m in [3, 13, 100] {
                     let x = values(m * k, 5);
                     let batch = matmul(&x, m, k, packed, n, isa, products);
                     for i in 0..m {
