@@ -40,7 +40,7 @@ fn storage_address(t: &Tensor) -> usize {
 }
 
 /// Moves the host tensors of `weights` (dense matrices, and quantized blocks no other weight
-/// shares, and f32 packings of column panels) into one buffer per element type, each then
+/// shares, and packings of column panels) into one buffer per element type, each then
 /// held in 2 MiB pages. An error leaves the weights unusable: the caller fails the load.
 pub fn gather(weights: Vec<&mut Weight>) -> Result<Gathered> {
     let mut tensors: Vec<&mut Tensor> = weights.into_iter().flat_map(Weight::host_tensors_mut).collect();
@@ -175,10 +175,9 @@ mod tests {
         Ok(())
     }
 
-    /// f32 packings of column panels join the f32 buffer and multiply as before; bf16 ones stay
-    /// (see `Weight::host_tensors_mut`).
+    /// Packings of column panels join their element type's buffer and multiply as before.
     #[test]
-    fn f32_panels_join_the_buffer_with_their_products_and_bf16_panels_stay() -> Result<()> {
+    fn panels_join_their_types_buffer_with_their_products() -> Result<()> {
         use crate::model::panels::PanelMatrix;
         use tpserve_kernels::panels::Products;
         let (rows, cols) = (40, 24);
@@ -186,16 +185,15 @@ mod tests {
             let t = Tensor::from_vec(values(rows * cols, seed), (rows, cols), &Device::Cpu)?.to_dtype(dtype)?;
             Ok(Weight::Panels(std::sync::Arc::new(PanelMatrix::pack(&t, Products::Exact)?)))
         };
-        let mut weights = [panels(1, DType::F32)?, panels(2, DType::BF16)?, panels(3, DType::F32)?];
+        let mut weights = [panels(1, DType::F32)?, panels(2, DType::BF16)?, panels(3, DType::F32)?, panels(4, DType::BF16)?];
         let x = Tensor::from_vec(values(3 * cols, 9), (3, cols), &Device::Cpu)?;
         let products = |w: &Weight| -> Result<Vec<f32>> { Ok(w.matmul_t(&x)?.flatten_all()?.to_vec1()?) };
         let before = weights.iter().map(products).collect::<Result<Vec<_>>>()?;
-        let bf16_at = address(host_tensor(&weights[1]));
         let packed = host_tensor(&weights[0]).elem_count();
         let moved = gather(weights.iter_mut().collect())?.bytes;
-        assert_eq!(moved, 2 * packed * 4, "both f32 packings, not the bf16 one");
+        assert_eq!(moved, 2 * packed * 4 + 2 * packed * 2, "two f32 packings and two bf16 ones");
         assert_eq!(address(host_tensor(&weights[2])), address(host_tensor(&weights[0])) + packed * 4);
-        assert_eq!(address(host_tensor(&weights[1])), bf16_at);
+        assert_eq!(address(host_tensor(&weights[3])), address(host_tensor(&weights[1])) + packed * 2);
         assert_eq!(weights.iter().map(products).collect::<Result<Vec<_>>>()?, before);
         Ok(())
     }

@@ -174,17 +174,15 @@ impl Weight {
     }
 
     /// The host tensors that can move into another buffer (`crate::model::arena`): a dense
-    /// matrix, an f32 packing of column panels, or a quantized one's blocks, when no other
-    /// weight shares them (a tied embedding's are the LM head's too). Gathered, the f32 panels of
-    /// the 100M test shape (288 of 381 MiB, 97 MiB of which had been in 4 KiB pages) took 6% less
+    /// matrix, a packing of column panels, or a quantized one's blocks, when no other weight
+    /// shares them (a tied embedding's are the LM head's too). Gathered, the f32 panels of the
+    /// 100M test shape (288 of 381 MiB, 97 MiB of which had been in 4 KiB pages) took 6% less
     /// time a decode step at one row and 8% less at 16 (Zen 5, 2 threads, medians of 4
-    /// alternating runs). bf16 packings stay where they are: gathered, one row took 5-7% longer
-    /// and 16 the same, and their speed did not change with huge pages turned off either.
+    /// alternating runs); its bf16 panels (144 of 190 MiB) 1-18% less at one row, 0-6% at 16.
     pub fn host_tensors_mut(&mut self) -> Vec<&mut Tensor> {
         match self {
             Weight::Dense(t) => vec![t],
-            Weight::Panels(p) if p.dtype() == DType::F32 => Arc::get_mut(p).map_or_else(Vec::new, |p| vec![p.data_mut()]),
-            Weight::Panels(_) => Vec::new(),
+            Weight::Panels(p) => Arc::get_mut(p).map_or_else(Vec::new, |p| vec![p.data_mut()]),
             Weight::Quant(q) => Arc::get_mut(q).map_or_else(Vec::new, |q| q.segments.iter_mut().map(|s| &mut s.data).collect()),
         }
     }
