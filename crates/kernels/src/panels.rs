@@ -337,8 +337,9 @@ mod x86 {
 
     /// x rows per tile.
     const R: usize = 8;
-    /// Panels per tile: `R * V` = 24 accumulators, `V` weight vectors, `V` widened ones, a
-    /// broadcast and bf16's mask, the 32 registers.
+    /// Most panels per tile: `R * V` = 24 accumulators, `V` weight vectors, `V` widened ones, a
+    /// broadcast and bf16's mask, the 32 registers (exact bf16 takes fewer:
+    /// `Form::panels_per_tile`).
     const V: usize = 3;
 
     /// A task's x rows: f32, or rounded to bf16 in pairs (`super::bf16_pairs`).
@@ -358,18 +359,28 @@ mod x86 {
     }
 
     impl Form {
-        /// Panels a tile takes against `m` x rows: [`V`], or one for a bf16 weight against a
-        /// few rows. Three bf16 panels side by side (three streams 24 KiB apart at k = 768) were
-        /// read from memory at 33-38 GB/s where one panel after another (one stream) read
-        /// 41-50, with f32 panels at 45-50 either way; which panels a tile takes changes no
-        /// element's additions. Zen 5, 2 threads, [4096x768] streamed from memory, GB/s of
-        /// weights, medians of alternating runs, three panels against one: exact bf16 at 1
-        /// row 37.1 -> 48.9, 2 rows 35.9 -> 41.9, 4 rows 36.0 -> 38.0, 8 rows 33.0 -> 32.1;
-        /// bf16 pairs at 1, 2, 4 and 8 rows 37-40 -> 44-47. [768x2048] and [32000x768] at 1
-        /// row: 35 -> 37-41 and 37 -> 41-50.
+        /// Panels a tile takes against `m` x rows; which panels a tile takes changes no
+        /// element's additions. [`V`] for f32, and for bf16 pairs past [`R`] rows.
+        ///
+        /// One for a bf16 weight against a few rows: three bf16 panels side by side (three
+        /// streams 24 KiB apart at k = 768) were read from memory at 33-38 GB/s where one panel
+        /// after another (one stream) read 41-50, with f32 panels at 45-50 either way. Zen 5, 2
+        /// threads, [4096x768] streamed from memory, GB/s of weights, medians of alternating
+        /// runs, three panels against one: exact bf16 at 1 row 37.1 -> 48.9, 2 rows 35.9 ->
+        /// 41.9, 4 rows 36.0 -> 38.0, 8 rows 33.0 -> 32.1; bf16 pairs at 1, 2, 4 and 8 rows
+        /// 37-40 -> 44-47. [768x2048] and [32000x768] at 1 row: 35 -> 37-41 and 37 -> 41-50.
+        ///
+        /// Two for exact bf16 against more rows: three need all 32 registers (24 accumulators,
+        /// three loaded and three widened vectors, the broadcast and the mask), two leave ten
+        /// free. A whole step of the 100M shape, alternating, three panels against two: 6 rows
+        /// 6.6-8.1 -> 5.7-5.8 ms, 8 rows 6.8-7.2 -> 5.7-5.9, 16 rows 10.6-11.1 -> 9.6-10.3, 32
+        /// rows 20.2-20.8 -> 17.6-18.0, 64 rows 39.1-44.3 -> 35.2-36.1; prefill of 512 rows
+        /// 221-222 -> 199-207, 2,048 rows 1,034-1,047 -> 933-947. f32 panels against two: the
+        /// same within noise (16 rows 13.4-14.4 -> 13.1-13.6 ms, 32 and 64 rows the same).
         fn panels_per_tile(self, m: usize) -> usize {
             match self {
                 Form::Bf16 if m <= 4 => 1,
+                Form::Bf16 => 2,
                 Form::Bf16Pairs if m <= R => 1,
                 _ => V,
             }
