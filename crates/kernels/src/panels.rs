@@ -817,7 +817,8 @@ mod tests {
     #[test]
     fn a_row_does_not_depend_on_its_batch() {
         // Bit for bit, on every path, packing and precision: rows of a batch of 3 (bf16 tiles of
-        // one panel), 13 (tiles of 8 and 5) and 100 (three row blocks) against each row alone.
+        // one panel), 13 (tiles of 8 and 5 rows; exact bf16 two panels a tile) and 100 (three
+        // row blocks) against each row alone (bf16: one panel a tile).
         let (n, k) = (130, 257);
         let (f32s, bf16s, _, _) = weights(n, k, 9);
         for isa in paths() {
