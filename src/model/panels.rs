@@ -7,6 +7,8 @@ use candle_core::{DType, Device, Storage, Tensor};
 use tpserve_kernels::cpu_matmul::Isa;
 use tpserve_kernels::panels::{self, Packed, Products};
 
+use super::placement::with_host_f32;
+
 /// A `[rows, cols]` f32 or bf16 matrix in panels.
 pub struct PanelMatrix {
     pub rows: usize,
@@ -130,10 +132,8 @@ impl PanelMatrix {
         }
         let x32 = x.to_dtype(DType::F32)?.contiguous()?;
         // x is read in place (a copy per product was 3 MB a step at 16 rows).
-        let (storage, layout) = x32.storage_and_layout();
-        let Storage::Cpu(cpu) = &*storage else { bail!("panel weights multiply CPU activations") };
-        let values = &cpu.as_slice::<f32>()?[layout.start_offset()..layout.start_offset() + m * k];
-        let out = with_elements(&self.data, |packed| panels::matmul(values, m, k, packed, self.rows, Isa::selected(), self.products))?;
+        let out = with_host_f32(&x32, |values| with_elements(&self.data, |packed| panels::matmul(values, m, k, packed, self.rows, Isa::selected(), self.products)))?;
+        let Some(out) = out.transpose()? else { bail!("panel weights multiply CPU activations") };
         Ok(Tensor::from_vec(out, (m, self.rows), &Device::Cpu)?.to_dtype(x.dtype())?)
     }
 
