@@ -12,6 +12,8 @@
 //! On AVX-512 VNNI two consecutive groups share a 512-bit register (group g in the low half,
 //! g + 1 in the high one; the groups of a matrix are contiguous, so the halves are two loads a
 //! group apart): the same broadcast activation bytes then feed sixteen rows per `vpdpbusd`.
+//! Past eight activation rows, Q8_0 takes two such pairs at once, so that each broadcast feeds
+//! two `vpdpbusd` (see [`QUAD_ROWS`]).
 //! A whole decode step of a 100M Qwen3 shape, against the 256-bit body on the same CPU (Ice
 //! Lake, 2 threads, in one process, alternating): Q8_0 1.18x at one activation row, 1.28x at
 //! sixteen; Q4_1 1.08x and 1.13x; Q5_0 1.14x and 1.18x.
@@ -68,6 +70,17 @@ const _: () = assert!(GROUPS_PER_TASK % 2 == 0);
 /// 1.01-1.10x at 32, 1.06-1.14x at 512 for Q8_0, Q4_1 and Q5_0 (unchanged at 4 rows or
 /// fewer, which take the same body as before).
 const PAIR_ROWS: usize = 8;
+/// Most activation rows two pairs (a task's four groups, Q8_0) take at once: 12 integer and 12
+/// float accumulators. A broadcast activation word then feeds two `vpdpbusd`, and a block of
+/// 96 of them loads 96 times, where one pair at eight rows loads 98 times for 64: bound by
+/// the two loads a thread issues a cycle, the pair body ran at 5.0 G `vpdpbusd` a second
+/// (Zen 5, in L1, with its scales), two pairs at four rows 5.7 and at six 6.3.
+const QUAD_ROWS: usize = 6;
+/// Fewest activation rows that take two pairs: those a pair takes in more than one pass. At one
+/// row the second pair's weights stream from memory beside the first's (100M Q8_0 step 2.41
+/// -> 2.60 ms, Zen 5); at eight, one pass against two (6 + 2 rows), the same (3.78 and 3.74);
+/// at twelve 5.04 -> 4.45-4.58, at sixteen 6.60 -> 5.94-6.04.
+const QUAD_MIN_ROWS: usize = PAIR_ROWS + 1;
 const QK: usize = 32;
 
 /// The formats held interleaved (resident): the model packs every one of them (the K-quants
@@ -268,17 +281,21 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
     let groups = n / GROUP;
     let grouped_rows = groups * GROUP;
     // 512-bit vectors take two groups at once (a group's eight rows in each half), and the
-    // activation rows in batches of PAIR_ROWS laid out for them; a task's odd group left over
-    // takes one group at a time.
+    // activation rows in batches of PAIR_ROWS (QUAD_ROWS where two pairs go at once) laid out
+    // for them; a task's odd group left over takes one group at a time.
     let pairs = path == Path::Avx512Vnni && k_quant.is_none() && groups >= 2;
     let singles = !pairs || groups % 2 == 1;
+    // From QUAD_MIN_ROWS rows on, Q8_0 takes two pairs (a whole task) at once, and the pairs
+    // of a task's last groups come in batches of QUAD_ROWS too.
+    let quads = pairs && dtype == Format::Q8_0 && m >= QUAD_MIN_ROWS;
     let acts: Vec<ActQ8> = if k_quant.is_none() && singles { quantized(x, k, quantize_act) } else { Vec::new() };
     let acts: Vec<&ActQ8> = acts.iter().collect();
     // Q8_K rows, slower to make, are quantized in parallel at any batch: at 16 rows, serially,
     // the K-quant products took 1.0-1.5x the time, most often about 1.3x (Zen 5).
     let acts_k: Vec<ActQ8K> = if k_quant.is_some() { x.par_chunks_exact(k).map(quantize_act_k).collect() } else { Vec::new() };
     let acts_k: Vec<&ActQ8K> = acts_k.iter().collect();
-    let batches: Vec<PairActs> = if pairs { quantized(x, PAIR_ROWS * k, |rows| PairActs::quantize(rows, k)) } else { Vec::new() };
+    let batch_rows = if quads { QUAD_ROWS } else { PAIR_ROWS };
+    let batches: Vec<PairActs> = if pairs { quantized(x, batch_rows * k, |rows| PairActs::quantize(rows, k)) } else { Vec::new() };
     // Not zeroed first: the groups' tasks and the tail rows below write every element.
     let mut values = Vec::with_capacity(m * n);
     let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
@@ -286,26 +303,28 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
         let end = ((task + 1) * GROUPS_PER_TASK).min(groups);
         let mut g = task * GROUPS_PER_TASK;
         while g < end {
-            let span = if pairs && g + 1 < end { 2 } else { 1 };
+            let span = if quads && g + 3 < end {
+                4
+            } else if pairs && g + 1 < end {
+                2
+            } else {
+                1
+            };
             let groups_bytes = &w[g * GROUP * rb..(g + span) * GROUP * rb];
-            let mut done = 0;
-            while done < m {
-                if span == 2 {
-                    let batch = &batches[done / PAIR_ROWS];
-                    let take = batch.rows;
-                    let mut sums = [[0f32; 2 * GROUP]; PAIR_ROWS];
-                    // The last pass over this pair asks for the next pair's bytes (see
-                    // `pair_dot`); the next task's first pair, past this task's end, is most often
-                    // this thread's too (rayon splits the tasks in contiguous ranges).
-                    let pair_at = |g: usize| (g * GROUP * rb).min(grouped_rows * rb);
-                    let next = if done + take == m { &w[pair_at(g + 2)..pair_at(g + 4)] } else { &[] };
-                    pair_dot(dtype, groups_bytes, batch, &mut sums[..take], next);
-                    // SAFETY: activation rows done..done + take < m and weight rows
-                    // g * GROUP..(g + 2) * GROUP < n, in this task's groups: no other task
+            if span > 1 {
+                // The next task's first groups, past this task's end, are most often this
+                // thread's too (rayon splits the tasks in contiguous ranges).
+                let at = |g: usize| (g * GROUP * rb).min(grouped_rows * rb);
+                let next = &w[at(g + span)..at(g + 2 * span)];
+                pairs_dot(dtype, span / 2, groups_bytes, &batches, next, |done, sums| {
+                    // SAFETY: activation rows done.. of the batch (< m) and weight rows
+                    // g * GROUP..(g + span) * GROUP < n, in this task's groups: no other task
                     // writes them.
-                    unsafe { store(out, g * GROUP, done, &sums[..take]) };
-                    done += take;
-                } else {
+                    unsafe { store(out, g * GROUP, done, span * GROUP, sums) }
+                });
+            } else {
+                let mut done = 0;
+                while done < m {
                     let take = (m - done).min(4);
                     let mut sums = [[0f32; GROUP]; 4];
                     let batch = match k_quant {
@@ -314,7 +333,7 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
                     };
                     group_dot(path, dtype, groups_bytes, batch, &mut sums[..take]);
                     // SAFETY: as above, for the one group g.
-                    unsafe { store(out, g * GROUP, done, &sums[..take]) };
+                    unsafe { store(out, g * GROUP, done, GROUP, sums[..take].as_flattened()) };
                     done += take;
                 }
             }
@@ -337,14 +356,15 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
     values
 }
 
-/// Activation rows `first_row..` of `out` get `lanes` (one row each) in columns `first_col..`.
+/// Activation rows `first_row..` of `out` get `values`, `width` of them a row, in columns
+/// `first_col..`.
 ///
 /// # Safety
 /// Those elements are inside `out` and only the calling task writes them.
-unsafe fn store<const L: usize>(out: Output, first_col: usize, first_row: usize, lanes: &[[f32; L]]) {
-    for (j, lanes) in lanes.iter().enumerate() {
+unsafe fn store(out: Output, first_col: usize, first_row: usize, width: usize, values: &[f32]) {
+    for (j, row) in values.chunks_exact(width).enumerate() {
         // SAFETY: as the caller promises.
-        unsafe { std::ptr::copy_nonoverlapping(lanes.as_ptr(), out.at(first_col, first_row + j, 0), L) }
+        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at(first_col, first_row + j, 0), width) }
     }
 }
 
@@ -430,31 +450,47 @@ impl PairActs {
     }
 }
 
-/// Two consecutive groups' sixteen rows (`groups`: their bytes) against up to [`PAIR_ROWS`]
-/// activation rows on 512-bit vectors: `out[j][r]`, the lanes of [`group_dot`] for each group in
-/// turn. Meanwhile it asks for `next` (the next pair's bytes, or none) to be brought in, an
-/// equal share of it per block. The hardware prefetchers alone kept too few of the weights' cache
-/// lines in flight: a pair's first pass waited on memory, and at more than eight rows the later
-/// passes, which find the pair in cache, left the memory idle. Zen 5, 2 threads, 100M Qwen3
-/// shape in Q8_0, ms a step, alternating runs: 2.96-3.24 -> 2.57-2.85 at one row, 5.82-6.38 ->
-/// 4.15-4.62 at eight, 10.5-12.2 -> 7.1-8.5 at sixteen; SmolLM2 Q4_1 at one row 3.63-3.84 ->
-/// 2.51-2.81. (Two pairs ahead measured the same.) The hint is non-temporal: the weights are
-/// read once a step, and so asked for they keep less of the caches from the rest of the step;
-/// against L2's hint, a step's median over 8 alternating runs 2.49 -> 2.41 ms at one row, 4.21
-/// -> 4.04 at eight, the same at sixteen.
-fn pair_dot(dtype: Format, groups: &[u8], acts: &PairActs, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
-    let blocks = acts.blocks;
-    assert!(acts.rows == out.len());
-    assert!(groups.len() == 2 * blocks * Parts::of(dtype).group_bytes());
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `matmul` asserted this CPU has the path, and takes pairs only on the AVX-512 VNNI
-    // one (F, BW, VL, VNNI); `groups` holds two groups of `blocks` group-blocks of `dtype`,
-    // `acts` `blocks` records of its rows (`PairActs::quantize`) and `out` a row each.
-    unsafe {
-        x86::pair_vnni(dtype, groups.as_ptr(), blocks, acts.bytes.as_ptr(), acts.rows, out, next)
+/// `pairs` pairs of consecutive groups (`groups`: their bytes) against every batch of
+/// activation rows on 512-bit vectors, one pass a batch; `stored(first_row, sums)` gets each
+/// pass's sums, a row after another of `2 * GROUP * pairs` lanes: the lanes of [`group_dot`]
+/// for each group in turn. Meanwhile it asks for `next` (the bytes of the groups after these,
+/// or none) to be brought in, an equal share of it per pass and per block. The hardware
+/// prefetchers alone kept too few of the weights' cache lines in flight: a pair's first pass
+/// waited on memory, and at more than eight rows the later passes, which find the pair in
+/// cache, left the memory idle. Zen 5, 2 threads, 100M Qwen3 shape in Q8_0, ms a step,
+/// alternating runs: 2.96-3.24 -> 2.57-2.85 at one row, 5.82-6.38 -> 4.15-4.62 at eight,
+/// 10.5-12.2 -> 7.1-8.5 at sixteen; SmolLM2 Q4_1 at one row 3.63-3.84 -> 2.51-2.81. (Two
+/// pairs ahead measured the same.) The hint is non-temporal: the weights are read once a
+/// step, and so asked for they keep less of the caches from the rest of the step; against
+/// L2's hint, a step's median over 8 alternating runs 2.49 -> 2.41 ms at one row, 4.21 -> 4.04
+/// at eight, the same at sixteen. Spread over every pass rather than asked for in the last
+/// one, two pairs at 16 rows in three passes keep pace with memory: 100M step (Q8_0, 2
+/// threads, alternating) 6.11 -> 5.62 ms, prefill of 512 rows 118 -> 103 ms; in the last pass
+/// alone two pairs were slower than one (7.10 ms).
+fn pairs_dot(dtype: Format, pairs: usize, groups: &[u8], batches: &[PairActs], next: &[u8], mut stored: impl FnMut(usize, &[f32])) {
+    let lines = next.len().div_ceil(64);
+    let mut done = 0;
+    for (pass, acts) in batches.iter().enumerate() {
+        let blocks = acts.blocks;
+        assert!(groups.len() == 2 * pairs * blocks * Parts::of(dtype).group_bytes());
+        assert!(acts.rows <= if pairs == 1 { PAIR_ROWS } else { QUAD_ROWS });
+        let share = |pass: usize| (pass * lines / batches.len() * 64).min(next.len());
+        let ahead = &next[share(pass)..share(pass + 1)];
+        let mut sums = [0f32; 4 * GROUP * PAIR_ROWS];
+        let sums = &mut sums[..acts.rows * 2 * GROUP * pairs];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `matmul` asserted this CPU has the path, and takes pairs only on the AVX-512
+        // VNNI one (F, BW, VL, VNNI), two pairs only for Q8_0; `groups` holds `2 * pairs`
+        // groups of `blocks` group-blocks of `dtype`, `acts` `blocks` records of its rows
+        // (`PairActs::quantize`, as many as the body takes) and `sums` a row of lanes each.
+        unsafe {
+            x86::pairs_vnni(dtype, pairs, groups.as_ptr(), blocks, acts.bytes.as_ptr(), acts.rows, sums, ahead)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no AVX-512 path off x86-64 ({dtype:?}, {} bytes, {} rows, {} outputs, {} ahead)", groups.len(), acts.rows, sums.len(), ahead.len());
+        stored(done, sums);
+        done += acts.rows;
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("no AVX-512 path off x86-64 ({dtype:?}, {} bytes, {} rows, {} outputs, {} ahead)", groups.len(), acts.rows, out.len(), next.len())
 }
 
 /// `quantize` of each `chunk` values of `x` (a row, or a batch of rows), in order. A large
@@ -727,75 +763,102 @@ mod x86 {
         })
     }
 
-    /// Two groups' sixteen rows against `rows` (1 to [`super::PAIR_ROWS`]) activation rows on
-    /// 512-bit vectors: group g in lanes 0..8 and group g + 1 in lanes 8..16, each lane the same
-    /// arithmetic as [`body`]'s; `next`'s bytes are asked for meanwhile (`super::pair_dot`).
+    /// `P` pairs of consecutive groups (`P` = 1: sixteen rows; 2: four groups' 32 rows) against
+    /// `rows` activation rows (1 to [`super::PAIR_ROWS`] for one pair, [`super::QUAD_ROWS`] for
+    /// two) on 512-bit vectors: group g in lanes 0..8 and group g + 1 in lanes 8..16 of a
+    /// pair's vector, each lane the same arithmetic as [`body`]'s; `next`'s bytes are asked for
+    /// meanwhile (`super::pairs_dot`). `out` holds, row by row, each pair's sixteen lanes.
     ///
     /// # Safety
-    /// The CPU has AVX-512 F, BW, VL and VNNI (and AVX2, FMA, F16C); `groups` points to two
+    /// The CPU has AVX-512 F, BW, VL and VNNI (and AVX2, FMA, F16C); `groups` points to `2 * P`
     /// consecutive groups of `blocks` group-blocks of `dtype` (a packable 32-value format);
     /// `acts` to `blocks` records of `rows` activation rows (`super::PairActs`); `out` has
-    /// `rows` rows.
+    /// `rows * P * 2 * GROUP` values.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    pub unsafe fn pair_vnni(dtype: Format, groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
+    pub unsafe fn pairs_vnni(dtype: Format, pairs: usize, groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [f32], next: &[u8]) {
         // SAFETY: forwarded contract.
         unsafe {
-            match dtype {
-                Format::Q4_0 => pair_rows::<Q4_0>(groups, blocks, acts, rows, out, next),
-                Format::Q4_1 => pair_rows::<Q4_1>(groups, blocks, acts, rows, out, next),
-                Format::Q5_0 => pair_rows::<Q5_0>(groups, blocks, acts, rows, out, next),
-                Format::Q5_1 => pair_rows::<Q5_1>(groups, blocks, acts, rows, out, next),
-                Format::Q8_0 => pair_rows::<Q8_0>(groups, blocks, acts, rows, out, next),
-                Format::Iq4Nl => pair_rows::<IQ4_NL>(groups, blocks, acts, rows, out, next),
-                other => unreachable!("{other:?} is not held interleaved in 32-value groups"),
+            match (dtype, pairs) {
+                (Format::Q4_0, 1) => pair_rows::<Q4_0>(groups, blocks, acts, rows, out, next),
+                (Format::Q4_1, 1) => pair_rows::<Q4_1>(groups, blocks, acts, rows, out, next),
+                (Format::Q5_0, 1) => pair_rows::<Q5_0>(groups, blocks, acts, rows, out, next),
+                (Format::Q5_1, 1) => pair_rows::<Q5_1>(groups, blocks, acts, rows, out, next),
+                (Format::Q8_0, 1) => pair_rows::<Q8_0>(groups, blocks, acts, rows, out, next),
+                (Format::Iq4Nl, 1) => pair_rows::<IQ4_NL>(groups, blocks, acts, rows, out, next),
+                (Format::Q8_0, 2) => quad_rows::<Q8_0>(groups, blocks, acts, rows, out, next),
+                (other, pairs) => unreachable!("{other:?} is not held interleaved in 32-value groups {pairs} pairs at a time"),
             }
         }
     }
 
-    /// Dispatches on the batch size, as [`rows`].
+    /// One pair: dispatches on the batch size, as [`rows`].
     ///
     /// # Safety
-    /// As [`pair_vnni`].
+    /// As [`pairs_vnni`].
     #[inline(always)]
-    unsafe fn pair_rows<const F: u8>(groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
+    unsafe fn pair_rows<const F: u8>(groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [f32], next: &[u8]) {
         // SAFETY: forwarded contract; each arm is its number of rows.
         unsafe {
             match rows {
-                1 => pair_body::<F, 1>(groups, blocks, acts, out, next),
-                2 => pair_body::<F, 2>(groups, blocks, acts, out, next),
-                3 => pair_body::<F, 3>(groups, blocks, acts, out, next),
-                4 => pair_body::<F, 4>(groups, blocks, acts, out, next),
-                5 => pair_body::<F, 5>(groups, blocks, acts, out, next),
-                6 => pair_body::<F, 6>(groups, blocks, acts, out, next),
-                7 => pair_body::<F, 7>(groups, blocks, acts, out, next),
-                _ => pair_body::<F, 8>(groups, blocks, acts, out, next),
+                1 => pair_body::<F, 1, 1>(groups, blocks, acts, out, next),
+                2 => pair_body::<F, 2, 1>(groups, blocks, acts, out, next),
+                3 => pair_body::<F, 3, 1>(groups, blocks, acts, out, next),
+                4 => pair_body::<F, 4, 1>(groups, blocks, acts, out, next),
+                5 => pair_body::<F, 5, 1>(groups, blocks, acts, out, next),
+                6 => pair_body::<F, 6, 1>(groups, blocks, acts, out, next),
+                7 => pair_body::<F, 7, 1>(groups, blocks, acts, out, next),
+                _ => pair_body::<F, 8, 1>(groups, blocks, acts, out, next),
             }
         }
     }
 
-    /// The lane-wise dot products of `R` activation rows with two groups' sixteen rows. There
-    /// is no `vpsignb` on 512-bit vectors, so Q8_0's values go in as `w + 128` (a u8, one xor
-    /// shared by every activation row), IQ4_NL's as their levels plus 128 (one `vpshufb` of
-    /// a biased table), and each block's integer sum starts at `-128 * sum(x)`: the same i32
-    /// (the additions wrap, in any order), hence the same result, as [`body`]'s.
+    /// Two pairs: dispatches on the batch size.
     ///
     /// # Safety
-    /// As [`pair_vnni`], with `R` its `rows` and `out`'s.
+    /// As [`pairs_vnni`].
     #[inline(always)]
-    unsafe fn pair_body<const F: u8, const R: usize>(groups: *const u8, blocks: usize, acts: *const u8, out: &mut [[f32; 2 * GROUP]], next: &[u8]) {
+    unsafe fn quad_rows<const F: u8>(groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [f32], next: &[u8]) {
+        // SAFETY: forwarded contract; each arm is its number of rows.
+        unsafe {
+            match rows {
+                1 => pair_body::<F, 1, 2>(groups, blocks, acts, out, next),
+                2 => pair_body::<F, 2, 2>(groups, blocks, acts, out, next),
+                3 => pair_body::<F, 3, 2>(groups, blocks, acts, out, next),
+                4 => pair_body::<F, 4, 2>(groups, blocks, acts, out, next),
+                5 => pair_body::<F, 5, 2>(groups, blocks, acts, out, next),
+                _ => pair_body::<F, 6, 2>(groups, blocks, acts, out, next),
+            }
+        }
+    }
+
+    /// The lane-wise dot products of `R` activation rows with `P` pairs of groups. There is no
+    /// `vpsignb` on 512-bit vectors, so Q8_0's values go in as `w + 128` (a u8, one xor
+    /// shared by every activation row), IQ4_NL's as their levels plus 128 (one `vpshufb` of
+    /// a biased table), and each block's integer sum starts at `-128 * sum(x)`: the same i32
+    /// (the additions wrap, in any order), hence the same result, as [`body`]'s. With two
+    /// pairs, each activation word broadcast feeds both: a thread issues two loads a cycle, and
+    /// one pair at eight rows loads 98 times a Q8_0 block for its 64 `vpdpbusd` (a weight
+    /// vector is two 256-bit halves), two pairs at six rows 96 times for 96.
+    ///
+    /// # Safety
+    /// As [`pairs_vnni`], with `R` its `rows` and `P` its `pairs`.
+    #[inline(always)]
+    unsafe fn pair_body<const F: u8, const R: usize, const P: usize>(groups: *const u8, blocks: usize, acts: *const u8, out: &mut [f32], next: &[u8]) {
         let p = parts_of::<F>();
         let gbytes = p.group_bytes();
-        // group g + 1's group-block b is one whole group after group g's
+        // group g + 1's group-block b is one whole group after group g's, and the next pair's
+        // two groups after that
         let second = blocks * gbytes;
         // a block's record (`PairActs`): R rows' 32 bytes, then R each of d, s and -128 * sums
         let record = super::PairActs::record(R);
         let (d_at, s_at, bias_at) = (QK * R, (QK + 4) * R, (QK + 8) * R);
         let share = prefetch_share(next, blocks);
         // SAFETY (whole block): AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C are enabled by the
-        // caller; group-block b < blocks of either group is in bounds (`second` bytes apart),
-        // and so is record b of the activations, whose offsets stay inside its `record` bytes.
+        // caller; group-block b < blocks of each of the 2P groups is in bounds (`second` bytes
+        // apart), and so is record b of the activations, whose offsets stay inside its
+        // `record` bytes; `out` has R * P vectors.
         unsafe {
-            let mut acc = [_mm512_setzero_ps(); R];
+            let mut acc = [[_mm512_setzero_ps(); P]; R];
             // IQ4_NL's sixteen levels plus 128, in each 128-bit lane (`vpshufb` looks up within one)
             let biased_levels = if F == IQ4_NL {
                 _mm512_broadcast_i32x4(_mm_loadu_si128(super::LEVELS.map(|l| (l as i16 + 128) as u8).as_ptr().cast()))
@@ -807,69 +870,103 @@ mod x86 {
                     // A prefetch reads nothing and cannot fault; SSE is part of x86-64.
                     _mm_prefetch::<_MM_HINT_NTA>(next.as_ptr().add(line).cast());
                 }
-                let gb = groups.add(b * gbytes);
                 let x = acts.add(b * record);
-                let d = both_f16(gb, second);
-                let c = match F {
-                    Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
-                    Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
-                    Q4_1 | Q5_1 => both_f16(gb.add(p.group_m()), second),
-                    _ => _mm512_setzero_ps(),
-                };
-                let qs = gb.add(p.group_qs());
-                let mut isum = [_mm512_setzero_si512(); R];
+                // (loops, not closures: see the note on the helpers below)
+                let mut gb = [groups; P];
+                let mut d = [_mm512_setzero_ps(); P];
+                let mut c = [_mm512_setzero_ps(); P];
+                for q in 0..P {
+                    gb[q] = groups.add(2 * q * second + b * gbytes);
+                    d[q] = both_f16(gb[q], second);
+                    c[q] = match F {
+                        Q4_0 => _mm512_mul_ps(d[q], _mm512_set1_ps(-8.0)),
+                        Q5_0 => _mm512_mul_ps(d[q], _mm512_set1_ps(-16.0)),
+                        Q4_1 | Q5_1 => both_f16(gb[q].add(p.group_m()), second),
+                        _ => _mm512_setzero_ps(),
+                    };
+                }
+                let mut isum = [[_mm512_setzero_si512(); P]; R];
                 if F == Q8_0 || F == IQ4_NL {
                     for j in 0..R {
-                        isum[j] = broadcast4_512(x.add(bias_at + 4 * j));
+                        isum[j] = [broadcast4_512(x.add(bias_at + 4 * j)); P];
                     }
                 }
                 if F == Q8_0 {
                     let bias = _mm512_set1_epi8(-128);
                     for t in 0..8 {
-                        let w = _mm512_xor_si512(both(qs.add(32 * t), second), bias);
+                        let mut w = [bias; P];
+                        for q in 0..P {
+                            w[q] = _mm512_xor_si512(both(gb[q].add(p.group_qs() + 32 * t), second), bias);
+                        }
                         for j in 0..R {
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], w, broadcast4_512(x.add(QK * j + 4 * t)));
+                            let a = broadcast4_512(x.add(QK * j + 4 * t));
+                            for q in 0..P {
+                                isum[j][q] = _mm512_dpbusd_epi32(isum[j][q], w[q], a);
+                            }
                         }
                     }
                 } else if F == IQ4_NL {
                     // The nibbles look up their levels plus 128 (u8), as Q8_0's values go in.
                     let low = _mm512_set1_epi8(0x0F);
                     for u in 0..4 {
-                        let chunk = both(qs.add(32 * u), second);
-                        let lo = _mm512_shuffle_epi8(biased_levels, _mm512_and_si512(chunk, low));
-                        let hi = _mm512_shuffle_epi8(biased_levels, _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), low));
-                        for j in 0..R {
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4_512(x.add(QK * j + 4 * u)));
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4_512(x.add(QK * j + 16 + 4 * u)));
+                        let (mut lo, mut hi) = ([low; P], [low; P]);
+                        for q in 0..P {
+                            let chunk = both(gb[q].add(p.group_qs() + 32 * u), second);
+                            lo[q] = _mm512_shuffle_epi8(biased_levels, _mm512_and_si512(chunk, low));
+                            hi[q] = _mm512_shuffle_epi8(biased_levels, _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), low));
                         }
+                        dot_halves(&mut isum, &lo, &hi, x, u);
                     }
                 } else {
                     let low = _mm512_set1_epi8(0x0F);
                     for u in 0..4 {
-                        let chunk = both(qs.add(32 * u), second);
-                        let mut lo = _mm512_and_si512(chunk, low);
-                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), low);
-                        if F == Q5_0 || F == Q5_1 {
-                            let qh = gb.add(p.group_qh());
-                            lo = _mm512_or_si512(lo, both_high_bits(qh.add(4 * u), second));
-                            hi = _mm512_or_si512(hi, both_high_bits(qh.add(4 * (u + 4)), second));
+                        let (mut lo, mut hi) = ([low; P], [low; P]);
+                        for q in 0..P {
+                            let chunk = both(gb[q].add(p.group_qs() + 32 * u), second);
+                            lo[q] = _mm512_and_si512(chunk, low);
+                            hi[q] = _mm512_and_si512(_mm512_srli_epi16::<4>(chunk), low);
+                            if F == Q5_0 || F == Q5_1 {
+                                let qh = gb[q].add(p.group_qh());
+                                lo[q] = _mm512_or_si512(lo[q], both_high_bits(qh.add(4 * u), second));
+                                hi[q] = _mm512_or_si512(hi[q], both_high_bits(qh.add(4 * (u + 4)), second));
+                            }
                         }
-                        for j in 0..R {
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], lo, broadcast4_512(x.add(QK * j + 4 * u)));
-                            isum[j] = _mm512_dpbusd_epi32(isum[j], hi, broadcast4_512(x.add(QK * j + 16 + 4 * u)));
-                        }
+                        dot_halves(&mut isum, &lo, &hi, x, u);
                     }
                 }
                 for j in 0..R {
-                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(x.add(d_at + 4 * j).cast::<f32>().read_unaligned()));
-                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), scale, acc[j]);
-                    if F != Q8_0 && F != IQ4_NL {
-                        acc[j] = _mm512_fmadd_ps(c, _mm512_set1_ps(x.add(s_at + 4 * j).cast::<f32>().read_unaligned()), acc[j]);
+                    let da = _mm512_set1_ps(x.add(d_at + 4 * j).cast::<f32>().read_unaligned());
+                    for q in 0..P {
+                        acc[j][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j][q]), _mm512_mul_ps(d[q], da), acc[j][q]);
+                        if F != Q8_0 && F != IQ4_NL {
+                            acc[j][q] = _mm512_fmadd_ps(c[q], _mm512_set1_ps(x.add(s_at + 4 * j).cast::<f32>().read_unaligned()), acc[j][q]);
+                        }
                     }
                 }
             }
             for j in 0..R {
-                _mm512_storeu_ps(out[j].as_mut_ptr(), acc[j]);
+                for q in 0..P {
+                    _mm512_storeu_ps(out.as_mut_ptr().add((j * P + q) * 2 * GROUP), acc[j][q]);
+                }
+            }
+        }
+    }
+
+    /// A 4-bit chunk's products: `lo` (values 4u..4u+4 of each row) and `hi` (16+4u..16+4u+4)
+    /// of each pair with the activation rows' matching words, added into `isum`.
+    ///
+    /// # Safety
+    /// AVX-512 F and VNNI are enabled by the caller; `x` is a `PairActs` record of `R` rows.
+    #[inline(always)]
+    unsafe fn dot_halves<const R: usize, const P: usize>(isum: &mut [[__m512i; P]; R], lo: &[__m512i; P], hi: &[__m512i; P], x: *const u8, u: usize) {
+        // SAFETY: as the caller promises: row j's 32 values are at QK * j of the record.
+        unsafe {
+            for j in 0..R {
+                let (a_lo, a_hi) = (broadcast4_512(x.add(QK * j + 4 * u)), broadcast4_512(x.add(QK * j + 16 + 4 * u)));
+                for q in 0..P {
+                    isum[j][q] = _mm512_dpbusd_epi32(isum[j][q], lo[q], a_lo);
+                    isum[j][q] = _mm512_dpbusd_epi32(isum[j][q], hi[q], a_hi);
+                }
             }
         }
     }
@@ -1008,13 +1105,15 @@ pub(super) mod tests {
 
     /// Every path this CPU has equals the scalar reference bit for bit on the grouped rows, on
     /// every format and batch size (tail rows: to rounding); the reference is within activation rounding of the dequantized product; and
-    /// a row's result is the same alone or in a batch. The last shape is a batch large enough
-    /// to be quantized in parallel, with a group left over from the pairs.
+    /// a row's result is the same alone or in a batch. Past eight rows Q8_0 takes two pairs at
+    /// once (13 rows of 4 groups: passes of 6, 6 and 1; 10 rows of 6 groups: two pairs, then
+    /// one). The last shape is a batch large enough to be quantized in parallel, with a group
+    /// left over from the pairs.
     #[test]
     fn every_path_equals_the_reference_and_the_dequantized_product() {
         on_every_path("interleaved kernel", |path| {
             for dtype in FORMATS {
-                for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (7, 64, 40), (9, 1536, 8), (13, 96, 32), (70, 1024, 40)] {
+                for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (7, 64, 40), (9, 1536, 8), (13, 96, 32), (10, 64, 48), (70, 1024, 40)] {
                     let bytes = blocks(dtype, n, k, (m * k + n) as u64);
                     let x = values(m * k, 7 + k as u64);
                     let at = format!("{path:?} {dtype:?} m{m} k{k} n{n}");
