@@ -55,7 +55,8 @@ use super::interleaved_k::{self, KQuant};
 use super::kquant::{ActQ8K, quantize_act_k};
 use crate::output::Output;
 
-/// Activation values from which a product quantizes its rows in parallel (64 rows of 1,024).
+/// Activation values from which a product quantizes its rows in parallel (64 rows of 1,024),
+/// whatever their number of rows (see [`quantized`]).
 const PARALLEL_QUANTIZATION: usize = 1 << 16;
 /// Rows per interleaved group: one per 32-bit lane of a 256-bit register.
 pub const GROUP: usize = 8;
@@ -288,14 +289,14 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
     // From QUAD_MIN_ROWS rows on, Q8_0 takes two pairs (a whole task) at once, and the pairs
     // of a task's last groups come in batches of QUAD_ROWS too.
     let quads = pairs && dtype == Format::Q8_0 && m >= QUAD_MIN_ROWS;
-    let acts: Vec<ActQ8> = if k_quant.is_none() && singles { quantized(x, k, quantize_act) } else { Vec::new() };
+    let acts: Vec<ActQ8> = if k_quant.is_none() && singles { quantized(x, m, k, quantize_act) } else { Vec::new() };
     let acts: Vec<&ActQ8> = acts.iter().collect();
     // Q8_K rows, slower to make, are quantized in parallel at any batch: at 16 rows, serially,
     // the K-quant products took 1.0-1.5x the time, most often about 1.3x (Zen 5).
     let acts_k: Vec<ActQ8K> = if k_quant.is_some() { x.par_chunks_exact(k).map(quantize_act_k).collect() } else { Vec::new() };
     let acts_k: Vec<&ActQ8K> = acts_k.iter().collect();
     let batch_rows = if quads { QUAD_ROWS } else { PAIR_ROWS };
-    let batches: Vec<PairActs> = if pairs { quantized(x, batch_rows * k, |rows| PairActs::quantize(rows, k)) } else { Vec::new() };
+    let batches: Vec<PairActs> = if pairs { quantized(x, m, batch_rows * k, |rows| PairActs::quantize(rows, k)) } else { Vec::new() };
     // Not zeroed first: the groups' tasks and the tail rows below write every element.
     let mut values = Vec::with_capacity(m * n);
     let out = Output::uninit(&mut values.spare_capacity_mut()[..m * n], n);
@@ -493,13 +494,17 @@ fn pairs_dot(dtype: Format, pairs: usize, groups: &[u8], batches: &[PairActs], n
     }
 }
 
-/// `quantize` of each `chunk` values of `x` (a row, or a batch of rows), in order. A large
-/// batch's rows are quantized in parallel: done serially they were a tenth of a 16-row Q8_0
-/// product, with the other thread idle. A small batch's are quantized on the calling thread:
-/// waking the other thread for them took longer than the work (16 rows of 768: 11.4 µs in
-/// parallel, 8.3 serially, Zen 5).
-fn quantized<T: Send>(x: &[f32], chunk: usize, quantize: impl Fn(&[f32]) -> T + Sync + Send) -> Vec<T> {
-    if x.len() >= PARALLEL_QUANTIZATION {
+/// `quantize` of each `chunk` values of `x` (`m` rows: a row, or a batch of rows a chunk), in
+/// order. More than [`PAIR_ROWS`] rows, or a large batch, are quantized in parallel: done
+/// serially they were a tenth of a 16-row Q8_0 product, with the other thread idle. Measured
+/// alone, waking the other thread for 16 rows of 768 took longer than the work (11.4 µs in
+/// parallel, 8.3 serially, Zen 5), but the product that follows wakes it anyway, and finds it
+/// awake: a whole 100M Q8_0 step, alternating, 2 threads, serial below 65,536 values against
+/// parallel past eight rows, 16 rows 6.33 -> 5.65 ms, 32 rows 11.35 -> 10.70 (on the AVX2
+/// path, one group at a time, 16 rows 14.02 -> 13.18). A few rows stay on the calling thread:
+/// at two rows on the AVX2 path, one task a row, parallel measured 2.59 -> 2.70 ms.
+fn quantized<T: Send>(x: &[f32], m: usize, chunk: usize, quantize: impl Fn(&[f32]) -> T + Sync + Send) -> Vec<T> {
+    if m > PAIR_ROWS || x.len() >= PARALLEL_QUANTIZATION {
         x.par_chunks(chunk).map(quantize).collect()
     } else {
         x.chunks(chunk).map(quantize).collect()
