@@ -1112,13 +1112,13 @@ pub(super) mod tests {
     /// every format and batch size (tail rows: to rounding); the reference is within activation rounding of the dequantized product; and
     /// a row's result is the same alone or in a batch. Past eight rows Q8_0 takes two pairs at
     /// once (13 rows of 4 groups: passes of 6, 6 and 1; 10 rows of 6 groups: two pairs, then
-    /// one). The last shape is a batch large enough to be quantized in parallel, with a group
+    /// one; 11 rows of 3 groups: a pair in batches of 6, then one group). The last shape is a batch large enough to be quantized in parallel, with a group
     /// left over from the pairs.
     #[test]
     fn every_path_equals_the_reference_and_the_dequantized_product() {
         on_every_path("interleaved kernel", |path| {
             for dtype in FORMATS {
-                for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (7, 64, 40), (9, 1536, 8), (13, 96, 32), (10, 64, 48), (70, 1024, 40)] {
+                for &(m, k, n) in &[(1, 32, 8), (1, 576, 37), (3, 96, 16), (4, 64, 24), (6, 160, 19), (7, 64, 40), (9, 1536, 8), (13, 96, 32), (10, 64, 48), (11, 64, 24), (70, 1024, 40)] {
                     let bytes = blocks(dtype, n, k, (m * k + n) as u64);
                     let x = values(m * k, 7 + k as u64);
                     let at = format!("{path:?} {dtype:?} m{m} k{k} n{n}");
