@@ -82,6 +82,8 @@ const QUAD_ROWS: usize = 6;
 /// -> 2.60 ms, Zen 5); at eight, one pass against two (6 + 2 rows), the same (3.78 and 3.74);
 /// at twelve 5.04 -> 4.45-4.58, at sixteen 6.60 -> 5.94-6.04.
 const QUAD_MIN_ROWS: usize = PAIR_ROWS + 1;
+/// The most sums a pass of one or two pairs returns: a row of lanes per activation row.
+const PASS_LANES: usize = if 2 * GROUP * PAIR_ROWS > 4 * GROUP * QUAD_ROWS { 2 * GROUP * PAIR_ROWS } else { 4 * GROUP * QUAD_ROWS };
 const QK: usize = 32;
 
 /// The formats held interleaved (resident): the model packs every one of them (the K-quants
@@ -464,10 +466,11 @@ impl PairActs {
 /// pairs ahead measured the same.) The hint is non-temporal: the weights are read once a
 /// step, and so asked for they keep less of the caches from the rest of the step; against
 /// L2's hint, a step's median over 8 alternating runs 2.49 -> 2.41 ms at one row, 4.21 -> 4.04
-/// at eight, the same at sixteen. Spread over every pass rather than asked for in the last
-/// one, two pairs at 16 rows in three passes keep pace with memory: 100M step (Q8_0, 2
-/// threads, alternating) 6.11 -> 5.62 ms, prefill of 512 rows 118 -> 103 ms; in the last pass
-/// alone two pairs were slower than one (7.10 ms).
+/// at eight, the same at sixteen. Two pairs at 16 rows take three passes (6, 6 and 4 rows),
+/// each with less time per byte than one pair's: asking only in the last pass, a 100M Q8_0
+/// step took 7.10 ms against one pair's 5.81 (2 threads, alternating); with the share spread
+/// over every pass, 5.62 against 6.11, and a prefill of 512 rows 103 against 118 ms. (For one
+/// pair the spread measured the same as the last pass: Q4_1, 16 rows, 5.53 and 5.52 ms.)
 fn pairs_dot(dtype: Format, pairs: usize, groups: &[u8], batches: &[PairActs], next: &[u8], mut stored: impl FnMut(usize, &[f32])) {
     let lines = next.len().div_ceil(64);
     let mut done = 0;
@@ -477,7 +480,7 @@ fn pairs_dot(dtype: Format, pairs: usize, groups: &[u8], batches: &[PairActs], n
         assert!(acts.rows <= if pairs == 1 { PAIR_ROWS } else { QUAD_ROWS });
         let share = |pass: usize| (pass * lines / batches.len() * 64).min(next.len());
         let ahead = &next[share(pass)..share(pass + 1)];
-        let mut sums = [0f32; 4 * GROUP * PAIR_ROWS];
+        let mut sums = [0f32; PASS_LANES];
         let sums = &mut sums[..acts.rows * 2 * GROUP * pairs];
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `matmul` asserted this CPU has the path, and takes pairs only on the AVX-512
