@@ -787,54 +787,37 @@ mod x86 {
         // SAFETY: forwarded contract.
         unsafe {
             match (dtype, pairs) {
-                (Format::Q4_0, 1) => pair_rows::<Q4_0>(groups, blocks, acts, rows, out, next),
-                (Format::Q4_1, 1) => pair_rows::<Q4_1>(groups, blocks, acts, rows, out, next),
-                (Format::Q5_0, 1) => pair_rows::<Q5_0>(groups, blocks, acts, rows, out, next),
-                (Format::Q5_1, 1) => pair_rows::<Q5_1>(groups, blocks, acts, rows, out, next),
-                (Format::Q8_0, 1) => pair_rows::<Q8_0>(groups, blocks, acts, rows, out, next),
-                (Format::Iq4Nl, 1) => pair_rows::<IQ4_NL>(groups, blocks, acts, rows, out, next),
-                (Format::Q8_0, 2) => quad_rows::<Q8_0>(groups, blocks, acts, rows, out, next),
+                (Format::Q4_0, 1) => pair_rows::<Q4_0, 1>(groups, blocks, acts, rows, out, next),
+                (Format::Q4_1, 1) => pair_rows::<Q4_1, 1>(groups, blocks, acts, rows, out, next),
+                (Format::Q5_0, 1) => pair_rows::<Q5_0, 1>(groups, blocks, acts, rows, out, next),
+                (Format::Q5_1, 1) => pair_rows::<Q5_1, 1>(groups, blocks, acts, rows, out, next),
+                (Format::Q8_0, 1) => pair_rows::<Q8_0, 1>(groups, blocks, acts, rows, out, next),
+                (Format::Iq4Nl, 1) => pair_rows::<IQ4_NL, 1>(groups, blocks, acts, rows, out, next),
+                (Format::Q8_0, 2) => pair_rows::<Q8_0, 2>(groups, blocks, acts, rows, out, next),
                 (other, pairs) => unreachable!("{other:?} is not held interleaved in 32-value groups {pairs} pairs at a time"),
             }
         }
     }
 
-    /// One pair: dispatches on the batch size, as [`rows`].
+    /// `P` pairs: dispatches on the batch size, as [`rows`] (up to 8 rows for one pair, 6 for
+    /// two).
     ///
     /// # Safety
     /// As [`pairs_vnni`].
     #[inline(always)]
-    unsafe fn pair_rows<const F: u8>(groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [f32], next: &[u8]) {
+    unsafe fn pair_rows<const F: u8, const P: usize>(groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [f32], next: &[u8]) {
         // SAFETY: forwarded contract; each arm is its number of rows.
         unsafe {
             match rows {
-                1 => pair_body::<F, 1, 1>(groups, blocks, acts, out, next),
-                2 => pair_body::<F, 2, 1>(groups, blocks, acts, out, next),
-                3 => pair_body::<F, 3, 1>(groups, blocks, acts, out, next),
-                4 => pair_body::<F, 4, 1>(groups, blocks, acts, out, next),
-                5 => pair_body::<F, 5, 1>(groups, blocks, acts, out, next),
-                6 => pair_body::<F, 6, 1>(groups, blocks, acts, out, next),
-                7 => pair_body::<F, 7, 1>(groups, blocks, acts, out, next),
-                _ => pair_body::<F, 8, 1>(groups, blocks, acts, out, next),
-            }
-        }
-    }
-
-    /// Two pairs: dispatches on the batch size.
-    ///
-    /// # Safety
-    /// As [`pairs_vnni`].
-    #[inline(always)]
-    unsafe fn quad_rows<const F: u8>(groups: *const u8, blocks: usize, acts: *const u8, rows: usize, out: &mut [f32], next: &[u8]) {
-        // SAFETY: forwarded contract; each arm is its number of rows.
-        unsafe {
-            match rows {
-                1 => pair_body::<F, 1, 2>(groups, blocks, acts, out, next),
-                2 => pair_body::<F, 2, 2>(groups, blocks, acts, out, next),
-                3 => pair_body::<F, 3, 2>(groups, blocks, acts, out, next),
-                4 => pair_body::<F, 4, 2>(groups, blocks, acts, out, next),
-                5 => pair_body::<F, 5, 2>(groups, blocks, acts, out, next),
-                _ => pair_body::<F, 6, 2>(groups, blocks, acts, out, next),
+                1 => pair_body::<F, 1, P>(groups, blocks, acts, out, next),
+                2 => pair_body::<F, 2, P>(groups, blocks, acts, out, next),
+                3 => pair_body::<F, 3, P>(groups, blocks, acts, out, next),
+                4 => pair_body::<F, 4, P>(groups, blocks, acts, out, next),
+                5 => pair_body::<F, 5, P>(groups, blocks, acts, out, next),
+                6 => pair_body::<F, 6, P>(groups, blocks, acts, out, next),
+                7 if P == 1 => pair_body::<F, 7, 1>(groups, blocks, acts, out, next),
+                _ if P == 1 => pair_body::<F, 8, 1>(groups, blocks, acts, out, next),
+                _ => unreachable!("{rows} rows for {P} pairs"),
             }
         }
     }
