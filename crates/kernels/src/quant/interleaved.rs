@@ -346,15 +346,13 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
     if grouped_rows < n {
         let tail_rows = n - grouped_rows;
         let tail = kernels::matmul(x, m, k, dtype, &w[grouped_rows * rb..], tail_rows, path);
-        for (i, row) in tail.chunks_exact(tail_rows).enumerate() {
-            // SAFETY: activation row i < m, weight rows grouped_rows..n: inside `out`, and the
-            // tasks above are done.
-            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), out.at(grouped_rows, i, 0), tail_rows) };
-        }
+        // SAFETY: activation rows 0..m, weight rows grouped_rows..n: inside `out`, and the
+        // tasks above are done.
+        unsafe { store(out, grouped_rows, 0, tail_rows, &tail) };
     }
     // SAFETY: every element is written: the tasks cover columns 0..grouped_rows of every
-    // activation row (each group's `store`s, `done` running up to m), the loop above columns
-    // grouped_rows..n.
+    // activation row (each group's `store`s, `done` running up to m), the tail's `store`
+    // columns grouped_rows..n.
     unsafe { values.set_len(m * n) };
     values
 }
