@@ -4,7 +4,8 @@
 //!
 //! Drives `tpserve serve --tp 1` (a real rank process, real gRPC over a Unix socket) on a
 //! generated ~100M-parameter Qwen3-shaped model with N concurrent streaming clients, and prints
-//! TTFT and inter-token latency (p50, p99), aggregate tokens/s at concurrency 1, 4, 16 and 64,
+//! TTFT and inter-token latency (p50, p99), aggregate tokens/s at concurrency 1, 4, 16 and 64
+//! (the median of `TPSERVE_BENCH_ROUNDS` rounds, default 3, the levels interleaved),
 //! the per-step orchestration overhead the coordinator measures (GenerateStep round trip minus
 //! the rank's compute time), and, as the baseline of the same run, the decode tokens/s of the
 //! same model driven by an in-process loop with no RPC.
@@ -72,36 +73,64 @@ fn run_format(model: &std::path::Path, dir: &std::path::Path, format: &str) {
     runtime.block_on(async {
         wait_ready(&address).await;
         run_level(&address, 2, 0).await; // warm-up
-        println!("| concurrency | aggregate tokens/s | vs concurrency 1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |");
-        println!("|---|---|---|---|---|---|---|");
-        let mut single = 0.0;
-        let mut single_decode = 0.0;
+        // Rounds of every level, interleaved, so that each level samples the same stretches of
+        // a shared machine's noise; a level's figure is its median round (one round of
+        // concurrency 1 is a single 64-token request, a fifth of a second).
+        let rounds: usize = std::env::var("TPSERVE_BENCH_ROUNDS").ok().and_then(|r| r.parse().ok()).filter(|&r| r > 0).unwrap_or(3);
+        let mut levels: Vec<Level> = CONCURRENCY.iter().map(|_| Level::default()).collect();
         let mut overhead = (0.0, 0.0);
-        for (level, &concurrency) in CONCURRENCY.iter().enumerate() {
-            let (streams, wall) = run_level(&address, concurrency, level as u64 + 1).await;
-            let tokens: usize = streams.iter().map(|s| s.tokens).sum();
-            let throughput = tokens as f64 / wall.as_secs_f64();
-            let mut ttft: Vec<f64> = streams.iter().map(|s| s.ttft.as_secs_f64() * 1e3).collect();
-            let mut itl: Vec<f64> = streams.iter().flat_map(|s| s.inter_token.iter().map(|d| d.as_secs_f64() * 1e3)).collect();
-            if concurrency == 1 {
-                single = throughput;
-                let decode: f64 = itl.iter().sum::<f64>() / 1e3;
-                single_decode = itl.len() as f64 / decode;
-                overhead = step_overhead(&address).await;
+        for round in 0..rounds {
+            for (level, &concurrency) in levels.iter_mut().zip(&CONCURRENCY) {
+                let (streams, wall) = run_level(&address, concurrency, (round * CONCURRENCY.len()) as u64 + concurrency as u64).await;
+                level.add(&streams, wall);
+                if concurrency == 1 {
+                    overhead = step_overhead(&address).await; // its window of recent steps: this round's
+                }
             }
+        }
+        println!("| concurrency | aggregate tokens/s (median of {rounds} rounds) | rounds | vs concurrency 1 | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |");
+        println!("|---|---|---|---|---|---|---|---|");
+        let single = levels[0].median_throughput();
+        for (level, &concurrency) in levels.iter_mut().zip(&CONCURRENCY) {
+            let throughput = level.median_throughput();
+            let each: Vec<String> = level.throughputs.iter().map(|t| format!("{t:.0}")).collect();
             println!(
-                "| {concurrency} | {throughput:.1} | {:.2}x | {:.1} | {:.1} | {:.2} | {:.2} |",
+                "| {concurrency} | {throughput:.1} | {} | {:.2}x | {:.1} | {:.1} | {:.2} | {:.2} |",
+                each.join(" / "),
                 throughput / single,
-                percentile(&mut ttft, 0.5),
-                percentile(&mut ttft, 0.99),
-                percentile(&mut itl, 0.5),
-                percentile(&mut itl, 0.99)
+                percentile(&mut level.ttft, 0.5),
+                percentile(&mut level.ttft, 0.99),
+                percentile(&mut level.itl, 0.5),
+                percentile(&mut level.itl, 0.99)
             );
         }
+        let single_decode = levels[0].itl.len() as f64 / (levels[0].itl.iter().sum::<f64>() / 1e3);
         println!("\nper-step orchestration overhead at concurrency 1 (round trip minus rank compute): p50 {:.0} µs, p99 {:.0} µs", overhead.0, overhead.1);
         println!("served batch-1 decode: {single_decode:.1} tokens/s; in-process loop (no RPC): {baseline:.1} tokens/s; ratio {:.3}", single_decode / baseline);
     });
     stop(&mut server);
+}
+
+/// One concurrency level's rounds: each round's aggregate tokens/s, every stream's TTFT and
+/// inter-token gaps (ms).
+#[derive(Default)]
+struct Level {
+    throughputs: Vec<f64>,
+    ttft: Vec<f64>,
+    itl: Vec<f64>,
+}
+
+impl Level {
+    fn add(&mut self, streams: &[Stream], wall: Duration) {
+        let tokens: usize = streams.iter().map(|s| s.tokens).sum();
+        self.throughputs.push(tokens as f64 / wall.as_secs_f64());
+        self.ttft.extend(streams.iter().map(|s| s.ttft.as_secs_f64() * 1e3));
+        self.itl.extend(streams.iter().flat_map(|s| s.inter_token.iter().map(|d| d.as_secs_f64() * 1e3)));
+    }
+
+    fn median_throughput(&self) -> f64 {
+        percentile(&mut self.throughputs.clone(), 0.5)
+    }
 }
 
 /// `concurrency` streams at once, each on its own connection; returns them and the wall time.
