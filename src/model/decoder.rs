@@ -8,7 +8,7 @@
 //! linear layer and split only where state is per sequence (attention, the recurrence).
 
 use anyhow::{Result, bail};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::cache::{LayerCache, SequenceCache};
 use super::config::ModelConfig;
@@ -122,6 +122,11 @@ impl Model {
         Ok(Self { embed, layers, norm, lm_head, rotary, config: config.clone(), group: group.clone() })
     }
 
+    /// The device the shard computes on.
+    pub fn device(&self) -> Device {
+        self.embed.weight().device()
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }
@@ -209,7 +214,7 @@ impl Model {
         caches: &mut [&mut SequenceCache],
         pool: &mut BlockPool,
     ) -> Result<Option<Tensor>> {
-        let device = self.embed.weight().device();
+        let device = self.device();
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut last_rows = Vec::with_capacity(batch.len());

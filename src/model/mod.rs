@@ -342,7 +342,11 @@ impl Model {
             })
             .collect::<Result<_>>()?;
         let mut refs: Vec<&mut SequenceCache> = caches.iter_mut().collect();
+        // On a CPU the pass is a hundred or so parallel loops; keep the pool's threads awake
+        // between them (not on a GPU, whose passes would have a core polling for nothing).
+        let warm = self.device().is_cpu().then(compute_pool::KeepWarm::start);
         let result = self.forward(batch, &mut refs, &mut store.pool);
+        drop(warm);
         // On failure the caches may be half-updated: drop them rather than keep corrupt state.
         if result.is_ok() {
             for (seq, cache) in batch.iter().zip(caches) {
