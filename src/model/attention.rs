@@ -124,8 +124,9 @@ impl HeadPrep<'_> {
     }
 }
 
-/// Rows of a step at which [`attend_host`] prepares the heads on every thread.
-const PARALLEL_PREP_ROWS: usize = 64;
+/// Rows of a step at which [`attend_host`] prepares the heads on every thread (as
+/// `layers::PARALLEL_NORM_ROWS`).
+const PARALLEL_PREP_ROWS: usize = 16;
 
 /// A layer's attention on a CPU from its qkv product `qkv` ([tokens, (q_heads + 2 kv_heads) *
 /// head_dim], f32, the sequences' tokens in batch order): the queries' and keys' heads
