@@ -84,7 +84,7 @@ fn run_format(model: &std::path::Path, dir: &std::path::Path, format: &str) {
                 let (streams, wall) = run_level(&address, concurrency, (round * CONCURRENCY.len()) as u64 + concurrency as u64).await;
                 level.add(&streams, wall);
                 if concurrency == 1 {
-                    overhead = step_overhead(&address).await; // its window of recent steps: this round's
+                    overhead = step_overhead(&address).await; // the coordinator's recent steps: this level's
                 }
             }
         }

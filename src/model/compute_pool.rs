@@ -26,8 +26,8 @@ pub fn run<R: Send>(name: &str, work: impl FnOnce() -> R + Send) -> std::io::Res
 /// whose hundred or so parallel loops a step (four products a layer, its attention, ...) are
 /// separated by serial stretches (norms, cache writes) long enough for rayon's idle threads to
 /// fall asleep. A sleeping thread is woken by a futex call from the thread that starts the
-/// next loop, and on a VM takes about 25 µs to run again (a one-way wake measured here), while
-/// that loop's first tasks run on one thread alone.
+/// next loop, and takes about 25 µs to run again on the development VM (a one-way wake between
+/// two threads; docs/performance.md), while that loop's first tasks run on one thread alone.
 ///
 /// Each other thread runs a job that takes the pool's pending work as it appears
 /// (`rayon::yield_now`) and otherwise yields the CPU (`sched_yield`, as rayon's own idle loop

@@ -31,8 +31,8 @@ pub enum NormWeight {
 /// Rows from which [`RmsNorm::forward`] spreads a CPU's rows over the threads, and how many
 /// each task takes: a 16-row decode step's norms too, now that the pool's other threads poll
 /// for work over a pass (`compute_pool::KeepWarm`) rather than wait to be woken (from 64 rows
-/// before; with the norms of the heads below, a 16-row step 0.5-3% faster in three alternating
-/// runs).
+/// before; with the heads' preparation of `attention::attend_host` from 16 rows too, a 16-row
+/// step 0.5-3% faster in three alternating runs).
 const PARALLEL_NORM_ROWS: usize = 16;
 const NORM_ROWS_PER_TASK: usize = 8;
 
