@@ -173,8 +173,9 @@ mod x86 {
                     head_dim: usize,
                     kv: usize,
                     values_early: bool,
+                    isa: Isa,
                 ) -> Vec<f32> {
-                    crate::attention::pass_scores::<T, true>(group_q, blocks, positions, kv_heads, head_dim, kv, values_early)
+                    crate::attention::pass_scores::<T, true>(group_q, blocks, positions, kv_heads, head_dim, kv, values_early, isa)
                 }
 
                 /// # Safety
@@ -345,7 +346,7 @@ fn attend<T: KvElement>(q: &[f32], history: &[HostBlock<'_, T>], kv_heads: usize
     let values_early = total <= POSITIONS_PER_PASS;
     let scores = in_passes(&passes, spread, |pass| {
         let blocks = &history[pass.blocks.clone()];
-        dispatch!(isa, pass_scores(group_q, blocks, pass.positions, kv_heads, head_dim, kv, values_early))
+        dispatch!(isa, pass_scores(group_q, blocks, pass.positions, kv_heads, head_dim, kv, values_early, isa))
     });
     let mut probs = vec![0f32; group * total]; // [group, total]
     for (pass, scores) in passes.iter().zip(&scores) {
@@ -397,9 +398,11 @@ fn weigh_values<T: KvElement>(
 }
 
 /// The scores `q_g . k_t` of every head g of the group (`group_q`, [group, head_dim]) for the
-/// positions of one pass's `blocks`: [group, positions]. The first head reads the keys from
-/// memory, four chunks at a time, asking for those KEY_CHUNKS_AHEAD chunks further on meanwhile;
-/// the others find them in L2.
+/// positions of one pass's `blocks`: [group, positions]. The heads go [`SCORE_HEADS`] at a time
+/// on AVX-512 (one at a time elsewhere) over four chunks at a time, each row of keys loaded once
+/// for all of them; the first of these passes reads the keys from memory, asking for those
+/// KEY_CHUNKS_AHEAD chunks further on meanwhile, and the later ones find them in L2.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn pass_scores<T: KvElement, const F16C: bool>(
     group_q: &[f32],
@@ -409,25 +412,28 @@ fn pass_scores<T: KvElement, const F16C: bool>(
     head_dim: usize,
     kv: usize,
     values_early: bool,
+    isa: Isa,
 ) -> Vec<f32> {
     let chunks = score_chunks(blocks, kv_heads, head_dim, kv);
     for chunk in chunks.whole.iter().take(KEY_CHUNKS_AHEAD) {
         prefetch_chunk(chunk, head_dim, values_early);
     }
     let mut scores = vec![0f32; group_q.len() / head_dim * positions];
-    for (g, (q, scores)) in group_q.chunks_exact(head_dim).zip(scores.chunks_exact_mut(positions)).enumerate() {
-        if g > 0 {
-            whole_scores::<T, F16C>(q, &chunks.whole, scores);
-        } else {
-            for (j, quad) in chunks.whole.chunks(4).enumerate() {
+    let heads: Vec<&[f32]> = group_q.chunks_exact(head_dim).collect();
+    let per_pass = if isa == Isa::Avx512 { SCORE_HEADS } else { 1 };
+    for (b, (bunch, scores)) in heads.chunks(per_pass).zip(scores.chunks_mut(per_pass * positions)).enumerate() {
+        for (j, quad) in chunks.whole.chunks(4).enumerate() {
+            if b == 0 {
                 let next = 4 * j + KEY_CHUNKS_AHEAD;
                 for chunk in chunks.whole.get(next..(next + 4).min(chunks.whole.len())).unwrap_or(&[]) {
                     prefetch_chunk(chunk, head_dim, values_early);
                 }
-                whole_scores::<T, F16C>(q, quad, scores);
             }
+            heads_scores::<T, F16C>(bunch, quad, positions, scores);
         }
-        partial_scores(q, &chunks.partial, scores);
+        for (q, scores) in bunch.iter().zip(scores.chunks_exact_mut(positions)) {
+            partial_scores(q, &chunks.partial, scores);
+        }
     }
     scores
 }
@@ -493,9 +499,9 @@ fn pass_values<T: KvElement, const F16C: bool>(
 // Software prefetch of the KV cache. Each block is its own few KiB of memory, where hardware
 // prefetchers stop at page ends, and a decode step reads each block once, after the step's
 // weights have pushed it out of the caches: without prefetching, the reads waited on memory a
-// block at a time. The first head of a group asks for the keys KEY_CHUNKS_AHEAD chunks ahead of
-// its scores, the first pass over a run's value rows for the values VALUE_BLOCKS_AHEAD blocks
-// ahead, and each asks for its first few before it starts. `attention_decode`, 16 sequences, ms
+// block at a time. The first pass of a group's scores over the keys asks for them
+// KEY_CHUNKS_AHEAD chunks ahead, the first pass over a run's value rows for the values
+// VALUE_BLOCKS_AHEAD blocks ahead, and each asks for its first few before it starts. `attention_decode`, 16 sequences, ms
 // a step: at 64 positions, Zen 2 (AVX2) 2.1–2.5 with none, 1.6–2.1 with a whole pass of 256
 // positions asked for at once, 1.3–1.8 so; at 512 positions 19.1, 17.1–18.8 and 13.8–16.0; at
 // 1,024, 39.1, 35–38 and 28–33. Zen 4 (AVX-512), a pass at once: 0.66 against 0.96 at 64
@@ -507,8 +513,18 @@ fn pass_values<T: KvElement, const F16C: bool>(
 // requests into L1 then find them: 512 positions 12.9–13.5 against 13.5–14.5, 1,024 positions
 // 25.5–26.7 against 27.8–29.4, six alternating runs (Zen 2). Changes no result.
 
-/// Chunks ahead of the first head's scores whose keys are asked for.
+/// Chunks ahead of the first pass's scores over the keys whose keys are asked for.
 const KEY_CHUNKS_AHEAD: usize = 8;
+/// Query heads whose scores one pass over the keys computes on AVX-512: each key row is loaded,
+/// and for f16 widened, once for up to this many heads (4 chunks x 4 heads = 16 vector sums of
+/// the 32 registers), where each head went over the keys in turn before (the first from memory,
+/// the others from cache). `attention_decode` (16 sequences, 12 query heads over 4 KV heads, Zen
+/// 5, 2 threads), ms a step, medians of 4 alternating runs, each head in turn against three
+/// heads at once: f32 at 64 positions 0.46 -> 0.43, 96 0.70 -> 0.63, 192 1.65 -> 1.55, 512
+/// 5.57 -> 4.93, 1,024 11.76 -> 11.83; f16 0.42 -> 0.41, 0.60 -> 0.55, 1.06 -> 0.96, 3.52 ->
+/// 2.99, 7.11 -> 6.44. AVX2 keeps one head at a time: its 16 registers held the sums of three
+/// heads only by spilling them (10-20% slower at every length).
+const SCORE_HEADS: usize = 4;
 /// Blocks ahead of the first pass over a run's value rows whose values are asked for.
 const VALUE_BLOCKS_AHEAD: usize = 4;
 
@@ -635,42 +651,63 @@ fn score_chunks<'a, T>(history: &[HostBlock<'a, T>], kv_heads: usize, head_dim: 
     chunks
 }
 
-/// `scores[t] = q . k_t` for the positions of whole chunks: four chunks at a time (eight
-/// independent vector sums on AVX2, enough to hide the latency of each addition), the rest one
-/// by one.
+/// The scores of the heads `qs` (at most [`SCORE_HEADS`]) for the whole chunks of `quad` (at
+/// most four), into `scores` ([qs.len(), positions]).
 #[inline(always)]
-fn whole_scores<T: KvElement, const F16C: bool>(q: &[f32], whole: &[ScoreChunk<'_, T>], scores: &mut [f32]) {
-    let mut quads = whole.chunks_exact(4);
-    for quad in quads.by_ref() {
-        let acc = chunk_scores::<4, T, F16C>(q, [&quad[0], &quad[1], &quad[2], &quad[3]]);
-        for (acc, chunk) in acc.iter().zip(quad) {
-            scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
-        }
+fn heads_scores<T: KvElement, const F16C: bool>(qs: &[&[f32]], quad: &[ScoreChunk<'_, T>], positions: usize, scores: &mut [f32]) {
+    macro_rules! scores {
+        ($h:literal, $c:literal, $chunks:expr) => {{
+            let acc = chunk_scores::<$h, $c, T, F16C>(std::array::from_fn(|h| qs[h]), $chunks);
+            for (h, acc) in acc.iter().enumerate() {
+                for (acc, chunk) in acc.iter().zip($chunks) {
+                    let at = h * positions + chunk.at;
+                    scores[at..at + chunk.len].copy_from_slice(&acc[..chunk.len]);
+                }
+            }
+        }};
     }
-    for chunk in quads.remainder() {
-        let [acc] = chunk_scores::<1, T, F16C>(q, [chunk]);
-        scores[chunk.at..chunk.at + chunk.len].copy_from_slice(&acc[..chunk.len]);
+    if let [a, b, c, d] = quad {
+        match qs.len() {
+            1 => scores!(1, 4, [a, b, c, d]),
+            2 => scores!(2, 4, [a, b, c, d]),
+            3 => scores!(3, 4, [a, b, c, d]),
+            _ => scores!(4, 4, [a, b, c, d]),
+        }
+    } else {
+        for chunk in quad {
+            match qs.len() {
+                1 => scores!(1, 1, [chunk]),
+                2 => scores!(2, 1, [chunk]),
+                3 => scores!(3, 1, [chunk]),
+                _ => scores!(4, 1, [chunk]),
+            }
+        }
     }
 }
 
-/// The `SCORE_CHUNK` scores of each of `C` whole chunks: `acc[c][l] = sum_d q[d] * k[d][l]`,
-/// in order of `d`.
+/// The `SCORE_CHUNK` scores of each of `C` whole chunks for each of `H` query vectors:
+/// `acc[h][c][l] = sum_d q_h[d] * k_c[d][l]`, in order of `d`. Each row of keys is loaded (and
+/// widened) once for all `H` vectors: `H x C` independent vector sums, up to 16.
 #[inline(always)]
-fn chunk_scores<const C: usize, T: KvElement, const F16C: bool>(q: &[f32], chunks: [&ScoreChunk<'_, T>; C]) -> [[f32; SCORE_CHUNK]; C] {
-    let head_dim = q.len();
+fn chunk_scores<const H: usize, const C: usize, T: KvElement, const F16C: bool>(qs: [&[f32]; H], chunks: [&ScoreChunk<'_, T>; C]) -> [[[f32; SCORE_CHUNK]; C]; H] {
+    let head_dim = qs[0].len();
+    let qs = qs.map(|q| &q[..head_dim]);
     // Each chunk's rows, checked once: row d is `SCORE_CHUNK` elements from `d * block_size`.
     let keys: [&[T]; C] = chunks.map(|c| &c.keys_t[..(head_dim.max(1) - 1) * c.block_size + SCORE_CHUNK]);
     let strides = chunks.map(|c| c.block_size);
     let mut at = [0usize; C];
-    let mut acc = [[0f32; SCORE_CHUNK]; C];
-    for &qd in q {
+    let mut acc = [[[0f32; SCORE_CHUNK]; C]; H];
+    for d in 0..head_dim {
         for c in 0..C {
             // SAFETY: for d < head_dim, at[c] = d * block_size and at[c] + SCORE_CHUNK <=
             // (head_dim - 1) * block_size + SCORE_CHUNK = keys[c].len().
             let k: &[T; SCORE_CHUNK] = unsafe { keys[c].get_unchecked(at[c]..at[c] + SCORE_CHUNK) }.try_into().expect("SCORE_CHUNK elements");
             let k = T::widen_run::<F16C, SCORE_CHUNK>(k);
-            for l in 0..SCORE_CHUNK {
-                acc[c][l] += qd * k[l];
+            for h in 0..H {
+                let qd = qs[h][d];
+                for l in 0..SCORE_CHUNK {
+                    acc[h][c][l] += qd * k[l];
+                }
             }
             at[c] += strides[c];
         }
@@ -693,12 +730,12 @@ fn tile_scores<T: KvElement, const F16C: bool>(queries: &[&[f32]], history: &[Ho
                 scores[at..at + chunk.len].copy_from_slice(&acc[..chunk.len]);
             };
             if let &[a, b, c, d] = quad {
-                for (j, acc) in queries_scores::<4, T, F16C>([a, b, c, d], chunk).iter().enumerate() {
+                for (j, [acc]) in chunk_scores::<4, 1, T, F16C>([a, b, c, d], [chunk]).iter().enumerate() {
                     store(j, acc);
                 }
             } else {
                 for (j, &q) in quad.iter().enumerate() {
-                    store(j, &queries_scores::<1, T, F16C>([q], chunk)[0]);
+                    store(j, &chunk_scores::<1, 1, T, F16C>([q], [chunk])[0][0]);
                 }
             }
         }
@@ -707,27 +744,6 @@ fn tile_scores<T: KvElement, const F16C: bool>(queries: &[&[f32]], history: &[Ho
         partial_scores(q, &chunks.partial, scores);
     }
     scores
-}
-
-/// The `SCORE_CHUNK` scores of one whole chunk for each of `Q` queries: `acc[i][l] = sum_d
-/// q_i[d] * k[d][l]`, in order of `d`, as [`chunk_scores`] sums them.
-#[inline(always)]
-fn queries_scores<const Q: usize, T: KvElement, const F16C: bool>(queries: [&[f32]; Q], chunk: &ScoreChunk<'_, T>) -> [[f32; SCORE_CHUNK]; Q] {
-    let head_dim = queries[0].len();
-    let queries = queries.map(|q| &q[..head_dim]);
-    let keys = &chunk.keys_t[..(head_dim.max(1) - 1) * chunk.block_size + SCORE_CHUNK];
-    let mut acc = [[0f32; SCORE_CHUNK]; Q];
-    for d in 0..head_dim {
-        let k: &[T; SCORE_CHUNK] = keys[d * chunk.block_size..d * chunk.block_size + SCORE_CHUNK].try_into().expect("SCORE_CHUNK elements");
-        let k = T::widen_run::<F16C, SCORE_CHUNK>(k);
-        for i in 0..Q {
-            let qd = queries[i][d];
-            for l in 0..SCORE_CHUNK {
-                acc[i][l] += qd * k[l];
-            }
-        }
-    }
-    acc
 }
 
 /// `scores[t] = q . k_t` for the positions of the other chunks, one position at a time.
