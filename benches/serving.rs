@@ -10,6 +10,10 @@
 //! the rank's compute time), and, as the baseline of the same run, the decode tokens/s of the
 //! same model driven by an in-process loop with no RPC.
 //!
+//! Requests are greedy unless `TPSERVE_BENCH_TEMPERATURE` sets a temperature: sampled decoding,
+//! an OpenAI client's default (each client's requests seeded; the in-process baseline stays
+//! greedy).
+//!
 //! It runs once per weight format in `TPSERVE_BENCH_WEIGHTS` (default `f32,bf16,q8_0`): `f32`
 //! and `bf16` are `--dtype`, `bf16x` is `--dtype bf16 --matmul-precision bf16` (activations
 //! rounded to bf16), a GGUF block format name is `--quantize`.
@@ -48,10 +52,16 @@ fn main() {
     let formats = std::env::var("TPSERVE_BENCH_WEIGHTS").unwrap_or_else(|_| "f32,bf16,q8_0".to_owned());
     for format in formats.split(',').map(str::trim).filter(|f| !f.is_empty()) {
         println!("tpserve serving benchmark: Qwen3-shaped random model, {:.1}M parameters, weights {format}, TP 1, {cores} cores", params as f64 / 1e6);
-        println!("{PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens per request, greedy, EOS ignored\n");
+        let sampling = if temperature() > 0.0 { format!("sampled at temperature {}", temperature()) } else { "greedy".to_owned() };
+        println!("{PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens per request, {sampling}, EOS ignored\n");
         run_format(&model, dir.path(), format);
         println!();
     }
+}
+
+/// The requests' temperature: `TPSERVE_BENCH_TEMPERATURE`, 0 (greedy) unless set.
+fn temperature() -> f32 {
+    std::env::var("TPSERVE_BENCH_TEMPERATURE").ok().and_then(|t| t.parse().ok()).unwrap_or(0.0)
 }
 
 /// `serve` flags for a weight format: a dtype, bf16 with bf16 products, or a quantization.
@@ -151,7 +161,8 @@ async fn run_level(address: &str, concurrency: usize, salt: u64) -> (Vec<Stream>
                     prompt_ids: prompt,
                     params: Some(pb::GenerationParams {
                         max_tokens: Some(NEW_TOKENS),
-                        temperature: Some(0.0),
+                        temperature: Some(temperature()),
+                        seed: Some(i as u64),
                         ignore_eos: true,
                         ..Default::default()
                     }),

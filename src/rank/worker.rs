@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
+use rayon::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::comm::Collective;
@@ -392,26 +393,7 @@ impl Worker {
             if rows != sampling.len() || vocab == 0 {
                 return Err(Error::internal(format!("{rows} rows of {vocab} logits for {} sampled sequences", sampling.len())));
             }
-            let sampled = with_host_f32(&logits, |all| -> Result<Vec<pb::SampledToken>, Error> {
-                let mut tokens = Vec::with_capacity(sampling.len());
-                for (row, seq) in all.chunks_exact(vocab).zip(&sampling) {
-                    let params = seq.sampling.clone().unwrap_or_default();
-                    let values: std::borrow::Cow<'_, [f32]> = if params.suppressed_token_ids.is_empty() {
-                        row.into()
-                    } else {
-                        let mut values = row.to_vec();
-                        for &id in &params.suppressed_token_ids {
-                            if let Some(v) = values.get_mut(id as usize) {
-                                *v = f32::NEG_INFINITY;
-                            }
-                        }
-                        values.into()
-                    };
-                    let state = shard.sequences.entry(seq.seq_id).or_default();
-                    tokens.push(state.sample(seq, &params, &values)?);
-                }
-                Ok(tokens)
-            })
+            let sampled = with_host_f32(&logits, |all| sample_rows(&mut shard.sequences, all, vocab, &sampling))
             .map_err(reading)?
             .ok_or_else(|| Error::internal("the logits are not f32 on the host"))??;
             tokens.extend(sampled);
@@ -450,6 +432,56 @@ impl Worker {
             remaining_sequences: shard.caches.len() as u32,
             cached_tokens: shard.caches.cached_tokens() as u64,
         })
+    }
+}
+
+/// A token for each sequence of `sampling` from its row of `logits` ([sampling.len(), vocab]),
+/// the rows spread over the compute pool's threads unless every one is greedy without
+/// logprobs (one pass for the maximum, which another thread would take longer to pick up).
+/// Sampling is passes over a row, and a step's rows one after another kept the pool's other
+/// threads idle: 16 rows in the pool, Zen 5, 2 threads, one after another against spread, at
+/// temperature 1 1,661 -> 912 µs (151,936 tokens) and 300 -> 194 (32,000), with top_p 0.9
+/// 2,240 -> 1,188 and 409 -> 247; greedy 100 -> 78 and 20 -> 30. Each sequence has its own
+/// sampler, seeded by sequence and token, so which thread samples a row changes nothing; the
+/// step refused a sequence that appears twice, and every sequence of the step has its state
+/// (`SequenceTokens::record`).
+fn sample_rows(
+    states: &mut HashMap<u64, SequenceTokens>,
+    logits: &[f32],
+    vocab: usize,
+    sampling: &[&pb::SequenceStep],
+) -> Result<Vec<pb::SampledToken>, Error> {
+    let rows: HashMap<u64, usize> = sampling.iter().enumerate().map(|(row, seq)| (seq.seq_id, row)).collect();
+    let mut owned: Vec<Option<&mut SequenceTokens>> = (0..sampling.len()).map(|_| None).collect();
+    for (id, state) in states.iter_mut() {
+        if let Some(&row) = rows.get(id) {
+            owned[row] = Some(state);
+        }
+    }
+    let jobs: Vec<_> = owned.into_iter().zip(logits.chunks_exact(vocab)).zip(sampling).collect();
+    let sample = |((state, row), seq): ((Option<&mut SequenceTokens>, &[f32]), &&pb::SequenceStep)| {
+        let state = state.ok_or_else(|| Error::internal(format!("sequence {} has no sampling state", seq.seq_id)))?;
+        let params = seq.sampling.clone().unwrap_or_default();
+        let values: std::borrow::Cow<'_, [f32]> = if params.suppressed_token_ids.is_empty() {
+            row.into()
+        } else {
+            let mut values = row.to_vec();
+            for &id in &params.suppressed_token_ids {
+                if let Some(v) = values.get_mut(id as usize) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+            values.into()
+        };
+        state.sample(seq, &params, &values)
+    };
+    let argmax_only = |seq: &pb::SequenceStep| {
+        seq.sampling.as_ref().is_none_or(|p| sampling_params(p).is_greedy() && !p.logprobs && p.top_logprobs == 0)
+    };
+    if sampling.iter().all(|seq| argmax_only(seq)) {
+        jobs.into_iter().map(sample).collect()
+    } else {
+        jobs.into_par_iter().map(sample).collect()
     }
 }
 
