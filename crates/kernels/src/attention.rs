@@ -497,21 +497,21 @@ fn pass_values<T: KvElement, const F16C: bool>(
 }
 
 // Software prefetch of the KV cache. Each block is its own few KiB of memory, where hardware
-// prefetchers stop at page ends, and a decode step reads each block once, after the step's
-// weights have pushed it out of the caches: without prefetching, the reads waited on memory a
-// block at a time. The first pass of a group's scores over the keys asks for them
-// KEY_CHUNKS_AHEAD chunks ahead, the first pass over a run's value rows for the values
-// VALUE_BLOCKS_AHEAD blocks ahead, and each asks for its first few before it starts. `attention_decode`, 16 sequences, ms
-// a step: at 64 positions, Zen 2 (AVX2) 2.1–2.5 with none, 1.6–2.1 with a whole pass of 256
-// positions asked for at once, 1.3–1.8 so; at 512 positions 19.1, 17.1–18.8 and 13.8–16.0; at
-// 1,024, 39.1, 35–38 and 28–33. Zen 4 (AVX-512), a pass at once: 0.66 against 0.96 at 64
-// positions. A history of one value pass asks for its values with its keys (`prefetch_chunk`):
-// 96 positions 2.24–2.44 against 2.46–2.88, 192 positions 4.94–5.02 against 5.52–6.04 (Zen 2).
-// The value pass still asks for them again as it goes: skipping that for such histories was
-// slower (192 positions 5.87–6.47 against 5.23–5.82), as the early lines do not all stay in L1.
-// A longer history has its values asked for into L2 with the keys, where the value pass's
-// requests into L1 then find them: 512 positions 12.9–13.5 against 13.5–14.5, 1,024 positions
-// 25.5–26.7 against 27.8–29.4, six alternating runs (Zen 2). Changes no result.
+// prefetchers stop at page ends, and a decode step reads each block once, after the step's weights
+// have pushed it out of the caches: without prefetching, the reads waited on memory a block at a
+// time. The first pass of a group's scores over the keys asks for them KEY_CHUNKS_AHEAD chunks
+// ahead, the first pass over a run's value rows for the values VALUE_BLOCKS_AHEAD blocks ahead,
+// and each asks for its first few before it starts. `attention_decode`, 16 sequences, ms a step:
+// at 64 positions, Zen 2 (AVX2) 2.1–2.5 with none, 1.6–2.1 with a whole pass of 256 positions
+// asked for at once, 1.3–1.8 so; at 512 positions 19.1, 17.1–18.8 and 13.8–16.0; at 1,024, 39.1,
+// 35–38 and 28–33. Zen 4 (AVX-512), a pass at once: 0.66 against 0.96 at 64 positions. A history
+// of one value pass asks for its values with its keys (`prefetch_chunk`): 96 positions 2.24–2.44
+// against 2.46–2.88, 192 positions 4.94–5.02 against 5.52–6.04 (Zen 2). The value pass still asks
+// for them again as it goes: skipping that for such histories was slower (192 positions 5.87–6.47
+// against 5.23–5.82), as the early lines do not all stay in L1. A longer history has its values
+// asked for into L2 with the keys, where the value pass's requests into L1 then find them: 512
+// positions 12.9–13.5 against 13.5–14.5, 1,024 positions 25.5–26.7 against 27.8–29.4, six
+// alternating runs (Zen 2). Changes no result.
 
 /// Chunks ahead of the first pass's scores over the keys whose keys are asked for.
 const KEY_CHUNKS_AHEAD: usize = 8;
