@@ -1,10 +1,13 @@
 //! Full-vocabulary lane loops and the polynomial `exp` they use.
 //!
 //! Each loop is written once over fixed-width lanes (`*_portable`, the scalar reference that
-//! LLVM vectorises for the baseline target) and compiled a second time with AVX2 enabled; the
-//! one dispatch point, `simd!`, picks the AVX2 build where the CPU has it. Only AVX2 is
-//! enabled (no FMA), so both builds perform the same IEEE operations in the same order and
-//! give bit-identical results, which keeps seeded sampling reproducible across machines.
+//! LLVM vectorises for the baseline target) and compiled again with AVX2 and with AVX-512F
+//! enabled; the one dispatch point, `simd!`, picks the widest build the CPU has. Rust never
+//! fuses a multiply and an add on its own (whatever FMA the features imply), so every build
+//! performs the same IEEE operations in the same order and gives bit-identical results, which
+//! keeps seeded sampling reproducible across machines. The AVX-512F build's sixteen lanes are
+//! one register: `sum_exp` over a 151,936-token row 69.6 -> 38.8 µs against the AVX2 build
+//! (Zen 5, medians of 300 alternating calls), `max_lanes` the same 4.6 (it waits on loads).
 
 /// Lane width of the vectorisable loops.
 pub(super) const LANES: usize = 16;
@@ -30,9 +33,16 @@ pub(super) fn first_index_of(values: &[f32], v: f32) -> Option<usize> {
     tail.iter().position(|&x| x == v).map(|p| tail_start + p)
 }
 
-/// Calls the AVX2 build of a lane loop where the CPU supports AVX2, else the portable one.
+/// Calls the AVX-512F build of a lane loop where the CPU has AVX-512F, else the AVX2 build
+/// where it has AVX2, else the portable one.
 macro_rules! simd {
-    ($avx2:ident, $portable:ident ($($arg:expr),*)) => {{
+    ($avx512:ident, $avx2:ident, $portable:ident ($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: `$avx512` only enables AVX-512F (and the features it implies), which the
+            // CPU was just checked to support.
+            return unsafe { $avx512($($arg),*) };
+        }
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: `$avx2` only enables the AVX2 target feature, which the CPU was just
@@ -45,12 +55,12 @@ macro_rules! simd {
 
 /// Maximum ignoring NaN; -inf for an empty or all-NaN slice.
 pub(super) fn max_lanes(xs: &[f32]) -> f32 {
-    simd!(max_lanes_avx2, max_lanes_portable(xs))
+    simd!(max_lanes_avx512, max_lanes_avx2, max_lanes_portable(xs))
 }
 
 /// Sum of exp(x - shift) over elements with x >= min_keep (NaN never counts).
 pub(super) fn sum_exp(xs: &[f32], shift: f32, min_keep: f32) -> f64 {
-    simd!(sum_exp_avx2, sum_exp_portable(xs, shift, min_keep))
+    simd!(sum_exp_avx512, sum_exp_avx2, sum_exp_portable(xs, shift, min_keep))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -62,6 +72,18 @@ fn max_lanes_avx2(xs: &[f32]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn sum_exp_avx2(xs: &[f32], shift: f32, min_keep: f32) -> f64 {
+    sum_exp_portable(xs, shift, min_keep)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn max_lanes_avx512(xs: &[f32]) -> f32 {
+    max_lanes_portable(xs)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn sum_exp_avx512(xs: &[f32], shift: f32, min_keep: f32) -> f64 {
     sum_exp_portable(xs, shift, min_keep)
 }
 
@@ -168,19 +190,37 @@ mod tests {
     }
 
     #[test]
-    fn dispatched_kernels_match_portable_bitwise() {
-        // The AVX2 build of the lane loops must give the very same bits as the baseline build,
-        // or seeded sampling would depend on the machine.
-        for (n, seed) in [(151_936usize, 1u64), (1_000, 2), (17, 3), (5, 4)] {
-            let mut xs = random_logits(n, seed, 6.0);
-            xs[n / 2] = f32::NAN;
-            xs[n / 3] = f32::NEG_INFINITY;
-            let m = max_lanes(&xs);
-            assert_eq!(m.to_bits(), max_lanes_portable(&xs).to_bits());
-            for min_keep in [f32::NEG_INFINITY, m - 3.0] {
-                assert_eq!(sum_exp(&xs, m, min_keep).to_bits(), sum_exp_portable(&xs, m, min_keep).to_bits());
+    fn every_build_matches_portable_bitwise() {
+        // Every build of the lane loops this CPU can run (the dispatched one and each ISA's)
+        // must give the very same bits as the baseline build, or seeded sampling would depend
+        // on the machine.
+        type Max = fn(&[f32]) -> f32;
+        type SumExp = fn(&[f32], f32, f32) -> f64;
+        let mut builds: Vec<(&str, Max, SumExp)> = vec![("dispatched", max_lanes, sum_exp)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY (both): only called on a CPU that has AVX2, just checked.
+                builds.push(("avx2", |xs| unsafe { max_lanes_avx2(xs) }, |xs, s, k| unsafe { sum_exp_avx2(xs, s, k) }));
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY (both): only called on a CPU that has AVX-512F, just checked.
+                builds.push(("avx512", |xs| unsafe { max_lanes_avx512(xs) }, |xs, s, k| unsafe { sum_exp_avx512(xs, s, k) }));
             }
         }
+        for (name, max, sum) in &builds {
+            for (n, seed) in [(151_936usize, 1u64), (1_000, 2), (17, 3), (5, 4)] {
+                let mut xs = random_logits(n, seed, 6.0);
+                xs[n / 2] = f32::NAN;
+                xs[n / 3] = f32::NEG_INFINITY;
+                let m = max(&xs);
+                assert_eq!(m.to_bits(), max_lanes_portable(&xs).to_bits(), "{name}, {n} values");
+                for min_keep in [f32::NEG_INFINITY, m - 3.0] {
+                    assert_eq!(sum(&xs, m, min_keep).to_bits(), sum_exp_portable(&xs, m, min_keep).to_bits(), "{name}, {n} values");
+                }
+            }
+        }
+        eprintln!("sampling kernel builds tested: {:?}", builds.iter().map(|b| b.0).collect::<Vec<_>>());
     }
 
     #[test]
