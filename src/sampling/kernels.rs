@@ -63,29 +63,21 @@ pub(super) fn sum_exp(xs: &[f32], shift: f32, min_keep: f32) -> f64 {
     simd!(sum_exp_avx512, sum_exp_avx2, sum_exp_portable(xs, shift, min_keep))
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn max_lanes_avx2(xs: &[f32]) -> f32 {
-    max_lanes_portable(xs)
+/// A lane loop's build for an instruction set: its portable body compiled with `$feature` on.
+macro_rules! build {
+    ($name:ident, $feature:literal, $portable:ident($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feature)]
+        fn $name($($arg: $ty),*) -> $ret {
+            $portable($($arg),*)
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn sum_exp_avx2(xs: &[f32], shift: f32, min_keep: f32) -> f64 {
-    sum_exp_portable(xs, shift, min_keep)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn max_lanes_avx512(xs: &[f32]) -> f32 {
-    max_lanes_portable(xs)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn sum_exp_avx512(xs: &[f32], shift: f32, min_keep: f32) -> f64 {
-    sum_exp_portable(xs, shift, min_keep)
-}
+build!(max_lanes_avx2, "avx2", max_lanes_portable(xs: &[f32]) -> f32);
+build!(max_lanes_avx512, "avx512f", max_lanes_portable(xs: &[f32]) -> f32);
+build!(sum_exp_avx2, "avx2", sum_exp_portable(xs: &[f32], shift: f32, min_keep: f32) -> f64);
+build!(sum_exp_avx512, "avx512f", sum_exp_portable(xs: &[f32], shift: f32, min_keep: f32) -> f64);
 
 #[inline(always)]
 fn max_lanes_portable(xs: &[f32]) -> f32 {
