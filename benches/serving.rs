@@ -59,9 +59,10 @@ fn main() {
     }
 }
 
-/// The requests' temperature: `TPSERVE_BENCH_TEMPERATURE`, 0 (greedy) unless set.
+/// The requests' temperature: `TPSERVE_BENCH_TEMPERATURE`, 0 (greedy) unless set (read once).
 fn temperature() -> f32 {
-    std::env::var("TPSERVE_BENCH_TEMPERATURE").ok().and_then(|t| t.parse().ok()).unwrap_or(0.0)
+    static TEMPERATURE: std::sync::OnceLock<f32> = std::sync::OnceLock::new();
+    *TEMPERATURE.get_or_init(|| std::env::var("TPSERVE_BENCH_TEMPERATURE").ok().and_then(|t| t.parse().ok()).unwrap_or(0.0))
 }
 
 /// `serve` flags for a weight format: a dtype, bf16 with bf16 products, or a quantization.

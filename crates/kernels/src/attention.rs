@@ -419,9 +419,8 @@ fn pass_scores<T: KvElement, const F16C: bool>(
         prefetch_chunk(chunk, head_dim, values_early);
     }
     let mut scores = vec![0f32; group_q.len() / head_dim * positions];
-    let heads: Vec<&[f32]> = group_q.chunks_exact(head_dim).collect();
     let per_pass = if isa == Isa::Avx512 { SCORE_HEADS } else { 1 };
-    for (b, (bunch, scores)) in heads.chunks(per_pass).zip(scores.chunks_mut(per_pass * positions)).enumerate() {
+    for (b, (bunch, scores)) in group_q.chunks(per_pass * head_dim).zip(scores.chunks_mut(per_pass * positions)).enumerate() {
         for (j, quad) in chunks.whole.chunks(4).enumerate() {
             if b == 0 {
                 let next = 4 * j + KEY_CHUNKS_AHEAD;
@@ -429,9 +428,9 @@ fn pass_scores<T: KvElement, const F16C: bool>(
                     prefetch_chunk(chunk, head_dim, values_early);
                 }
             }
-            heads_scores::<T, F16C>(bunch, quad, positions, scores);
+            heads_scores::<T, F16C>(bunch, head_dim, quad, positions, scores);
         }
-        for (q, scores) in bunch.iter().zip(scores.chunks_exact_mut(positions)) {
+        for (q, scores) in bunch.chunks_exact(head_dim).zip(scores.chunks_exact_mut(positions)) {
             partial_scores(q, &chunks.partial, scores);
         }
     }
@@ -651,13 +650,13 @@ fn score_chunks<'a, T>(history: &[HostBlock<'a, T>], kv_heads: usize, head_dim: 
     chunks
 }
 
-/// The scores of the heads `qs` (at most [`SCORE_HEADS`]) for the whole chunks of `quad` (at
-/// most four), into `scores` ([qs.len(), positions]).
+/// The scores of the heads `qs` ([heads, head_dim], at most [`SCORE_HEADS`] heads) for the
+/// whole chunks of `quad` (at most four), into `scores` ([heads, positions]).
 #[inline(always)]
-fn heads_scores<T: KvElement, const F16C: bool>(qs: &[&[f32]], quad: &[ScoreChunk<'_, T>], positions: usize, scores: &mut [f32]) {
+fn heads_scores<T: KvElement, const F16C: bool>(qs: &[f32], head_dim: usize, quad: &[ScoreChunk<'_, T>], positions: usize, scores: &mut [f32]) {
     macro_rules! scores {
         ($h:literal, $c:literal, $chunks:expr) => {{
-            let acc = chunk_scores::<$h, $c, T, F16C>(std::array::from_fn(|h| qs[h]), $chunks);
+            let acc = chunk_scores::<$h, $c, T, F16C>(std::array::from_fn(|h| &qs[h * head_dim..(h + 1) * head_dim]), $chunks);
             for (h, acc) in acc.iter().enumerate() {
                 for (acc, chunk) in acc.iter().zip($chunks) {
                     let at = h * positions + chunk.at;
@@ -667,7 +666,7 @@ fn heads_scores<T: KvElement, const F16C: bool>(qs: &[&[f32]], quad: &[ScoreChun
         }};
     }
     if let [a, b, c, d] = quad {
-        match qs.len() {
+        match qs.len() / head_dim {
             1 => scores!(1, 4, [a, b, c, d]),
             2 => scores!(2, 4, [a, b, c, d]),
             3 => scores!(3, 4, [a, b, c, d]),
@@ -675,7 +674,7 @@ fn heads_scores<T: KvElement, const F16C: bool>(qs: &[&[f32]], quad: &[ScoreChun
         }
     } else {
         for chunk in quad {
-            match qs.len() {
+            match qs.len() / head_dim {
                 1 => scores!(1, 1, [chunk]),
                 2 => scores!(2, 1, [chunk]),
                 3 => scores!(3, 1, [chunk]),
