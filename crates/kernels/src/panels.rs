@@ -50,8 +50,9 @@ pub const PANEL: usize = 16;
 const K_RUN: usize = 64;
 /// Terms of a run of bf16 pair products ([`Products::Bf16`]): their activations' rounding errs by
 /// up to 2^-9 of each term, so the f32 sum of 512 terms (at most about 2^-15 of their magnitudes)
-/// adds nothing that matters, and each tile stores its sums an eighth as often as with
-/// [`K_RUN`] (a whole 100M step at 16 rows: the stores were 8.5% of the step's samples).
+/// adds nothing that matters, and each tile adds its runs' sums an eighth as often as with
+/// [`K_RUN`] (a whole 100M step at 16 rows, when the runs' sums went through the outputs: their
+/// loads and stores were 8.5% of the step's samples).
 const PAIR_RUN: usize = 512;
 /// Panels per parallel task: large enough to amortise scheduling, small enough to balance.
 const TASK_PANELS: usize = 6;
@@ -202,12 +203,12 @@ pub fn matmul(x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa: Isa, prod
     }
     let rounded = bf16 && products == Products::Bf16;
     let pairs = rounded && has_pair_body(isa);
-    // Not zeroed first: every body's first run stores its sums (a 16-row step of the 100M
+    // Not zeroed first: every tile stores its totals (a 16-row step of the 100M
     // shape zeroed 7 MB of outputs, 1-3% of its time).
     let mut values = Vec::with_capacity(m * n);
     product(Output::uninit(&mut values.spare_capacity_mut()[..m * n], n), x, m, k, w, n, isa, rounded, pairs);
     // SAFETY: the tasks wrote every element: the tiles of `for_each_tile` cover rows 0..m and
-    // the columns of every panel, 0..n, and each tile stores its first run's sums (k > 0).
+    // the columns of every panel, 0..n, and each tile stores its totals (k > 0).
     unsafe { values.set_len(m * n) };
     values
 }
@@ -537,6 +538,7 @@ mod x86 {
             };
             let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
             let pair = |j: usize| -> [__m512i; TV] { std::array::from_fn(|v| _mm512_loadu_si512(w[v].cast::<u16>().add(j * 2 * PANEL).cast())) };
+            let mut totals = [[_mm512_setzero_ps(); TV]; TR];
             let mut start = 0;
             while start < k {
                 // A run of K_RUN terms from zero (K_RUN is even: a run starts on a pair).
@@ -558,9 +560,10 @@ mod x86 {
                         step(&mut acc, &std::array::from_fn(|v| _mm512_loadu_ps(w[v].cast::<f32>().add(kk * PANEL))), kk);
                     }
                 }
-                add_run(&acc, start == 0, out, out_stride, columns);
+                add_run(&acc, start == 0, &mut totals);
                 start = end;
             }
+            store_totals(&totals, out, out_stride, columns);
         }
     }
 
@@ -583,11 +586,12 @@ mod x86 {
     ) {
         let half_k = k.div_ceil(2);
         // SAFETY: every load below is inside a panel (pair j < k.div_ceil(2)) or a pair row
-        // (j < half_k), and `add_run` stores inside the first `columns` columns of the out
+        // (j < half_k), and `store_totals` stores inside the first `columns` columns of the out
         // rows, as the caller promises. `__m512i` and `__m512bh` are both 64 bytes of lanes
         // with no invalid bit patterns, so transmuting one into the other only renames them.
         unsafe {
             let w: [*const u16; TV] = std::array::from_fn(|v| w[v].cast::<u16>());
+            let mut totals = [[_mm512_setzero_ps(); TV]; TR];
             let mut start = 0;
             while start < half_k {
                 let end = (start + super::PAIR_RUN / 2).min(half_k);
@@ -602,9 +606,10 @@ mod x86 {
                         }
                     }
                 }
-                add_run(&acc, start == 0, out, out_stride, columns);
+                add_run(&acc, start == 0, &mut totals);
                 start = end;
             }
+            store_totals(&totals, out, out_stride, columns);
         }
     }
 
@@ -618,24 +623,37 @@ mod x86 {
         }
     }
 
-    /// A run's sums into the outputs: stored after the first run (`first`), added to them
-    /// after the others.
+    /// A run's sums into the tile's totals: the first run's taken as they are, the others'
+    /// added. The totals stay in the tile (registers or its stack) and reach the outputs once,
+    /// at its end: kept in the outputs, every run loaded and stored each row's sums there, and
+    /// rows a multiple of 4 KiB apart (a [.., 4096] output, 16 KiB) made those loads wait on
+    /// the stores of the rows before them (the same low address bits).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn add_run<const TR: usize, const TV: usize>(acc: &[[__m512; TV]; TR], first: bool, totals: &mut [[__m512; TV]; TR]) {
+        for (totals, acc) in totals.iter_mut().zip(acc) {
+            for (total, &acc) in totals.iter_mut().zip(acc) {
+                *total = if first { acc } else { _mm512_add_ps(*total, acc) };
+            }
+        }
+    }
+
+    /// The tile's totals into its outputs.
     ///
     /// # Safety
     /// The CPU has AVX-512F; `out` points to `TR` rows of `out_stride` f32 of which the first
-    /// `columns <= TV * PANEL` are writable (and, unless `first`, hold the earlier runs' sums).
+    /// `columns <= TV * PANEL` are writable.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn add_run<const TR: usize, const TV: usize>(acc: &[[__m512; TV]; TR], first: bool, out: *mut f32, out_stride: usize, columns: usize) {
+    unsafe fn store_totals<const TR: usize, const TV: usize>(totals: &[[__m512; TV]; TR], out: *mut f32, out_stride: usize, columns: usize) {
         for v in 0..TV {
             let lanes = columns.saturating_sub(v * PANEL).min(PANEL);
-            for (r, acc) in acc.iter().enumerate() {
+            for (r, totals) in totals.iter().enumerate() {
                 // SAFETY: row r < TR, lanes v * PANEL.. within `columns`, as the caller promises.
-                unsafe {
-                    let at = out.add(r * out_stride + v * PANEL);
-                    let sum = if first { acc[v] } else { _mm512_add_ps(load512part(at, lanes), acc[v]) };
-                    store512(at, lanes, sum);
-                }
+                unsafe { store512(out.add(r * out_stride + v * PANEL), lanes, totals[v]) };
             }
         }
     }
@@ -649,17 +667,6 @@ mod x86 {
     unsafe fn store512(p: *mut f32, lanes: usize, v: __m512) {
         // SAFETY: as the caller promises; masked-off lanes are not written.
         unsafe { _mm512_mask_storeu_ps(p, ((1u32 << lanes) - 1) as __mmask16, v) }
-    }
-
-    /// The first `lanes` (1..=16) f32 at `p`, zeros after.
-    ///
-    /// # Safety
-    /// `p` points to `lanes` readable f32.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load512part(p: *const f32, lanes: usize) -> __m512 {
-        // SAFETY: as the caller promises; masked-off lanes are not read.
-        unsafe { _mm512_maskz_loadu_ps(((1u32 << lanes) - 1) as __mmask16, p) }
     }
 }
 
