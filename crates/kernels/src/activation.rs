@@ -177,14 +177,17 @@ mod x86 {
     /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn exp_in_place_avx512(values: &mut [f32]) {
-        for chunk in values.chunks_mut(16) {
-            let mask = ((1u32 << chunk.len()) - 1) as __mmask16;
-            // SAFETY: the mask covers the chunk's 1..=16 elements, and masked-off lanes are
-            // neither read nor written.
-            unsafe {
-                let p = chunk.as_mut_ptr();
-                _mm512_mask_storeu_ps(p, mask, exp512(_mm512_maskz_loadu_ps(mask, p)));
-            }
+        let mut chunks = values.chunks_exact_mut(16);
+        for chunk in chunks.by_ref() {
+            // SAFETY: the chunk holds 16 f32; unaligned loads and stores are allowed.
+            unsafe { _mm512_storeu_ps(chunk.as_mut_ptr(), exp512(_mm512_loadu_ps(chunk.as_ptr()))) };
+        }
+        let tail = chunks.into_remainder();
+        if !tail.is_empty() {
+            let mask = ((1u32 << tail.len()) - 1) as __mmask16;
+            // SAFETY: the mask covers the tail's 1..=15 elements; masked-off lanes are neither
+            // read nor written.
+            unsafe { _mm512_mask_storeu_ps(tail.as_mut_ptr(), mask, exp512(_mm512_maskz_loadu_ps(mask, tail.as_ptr()))) };
         }
     }
 
@@ -210,19 +213,26 @@ mod x86 {
         super::silu_mul_portable(&gate[whole..], &up[whole..], &mut out[whole..]);
     }
 
-    /// [`super::exp_in_place`] eight lanes at a time, the tail padded to one vector (as
+    /// [`super::exp_in_place`] eight lanes at a time, the tail padded to one vector (see
     /// [`exp_in_place_avx512`]).
     ///
     /// # Safety
     /// The CPU has AVX2.
     #[target_feature(enable = "avx2")]
     pub unsafe fn exp_in_place_avx2(values: &mut [f32]) {
-        for chunk in values.chunks_mut(8) {
+        let mut chunks = values.chunks_exact_mut(8);
+        for chunk in chunks.by_ref() {
+            // SAFETY: the chunk holds 8 f32; unaligned loads and stores are allowed.
+            unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), exp256(_mm256_loadu_ps(chunk.as_ptr()))) };
+        }
+        let tail = chunks.into_remainder();
+        if !tail.is_empty() {
+            // (AVX2's masked stores are slow on AMD cores: the tail goes through a copy.)
             let mut lanes = [0f32; 8];
-            lanes[..chunk.len()].copy_from_slice(chunk);
+            lanes[..tail.len()].copy_from_slice(tail);
             // SAFETY: `lanes` holds 8 f32; unaligned loads and stores are allowed.
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), exp256(_mm256_loadu_ps(lanes.as_ptr()))) };
-            chunk.copy_from_slice(&lanes[..chunk.len()]);
+            tail.copy_from_slice(&lanes[..tail.len()]);
         }
     }
 
