@@ -170,8 +170,7 @@ mod x86 {
 
     /// [`super::exp_in_place`] sixteen lanes at a time, the tail as one masked vector: the
     /// portable `exp` rounds through a library call where the build has no SSE4.1, and the
-    /// short rows of a prompt's softmax (a few to a few dozen positions) spent more time in
-    /// their tails' calls than in their vectors.
+    /// softmax rows of a short prompt (a few to a few dozen positions) are mostly tail.
     ///
     /// # Safety
     /// The CPU has AVX-512F.
