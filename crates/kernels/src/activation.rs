@@ -117,7 +117,11 @@ fn silu_mul_one(g: f32, u: f32) -> f32 {
 #[inline(always)]
 fn exp(x: f32) -> f32 {
     let x = x.max(EXP_MIN).min(EXP_MAX);
-    let n = (x * LOG2E).round_ties_even();
+    // Rounded to nearest, ties to even, without `round_ties_even`, which is a library call on
+    // x86-64 without SSE4.1 (the portable build): adding and taking away 1.5 * 2^23 drops the
+    // fraction as the hardware rounds, exactly for |x * LOG2E| < 2^22 (here below 128).
+    const ROUNDER: f32 = 12_582_912.0;
+    let n = (x * LOG2E + ROUNDER) - ROUNDER;
     let r = x - n * LN2_HI;
     let r = r - n * LN2_LO;
     let mut p = P[0];
@@ -168,9 +172,9 @@ mod x86 {
         _mm512_mul_ps(y, _mm512_castsi512_ps(scale))
     }
 
-    /// [`super::exp_in_place`] sixteen lanes at a time, the tail as one masked vector: the
-    /// portable `exp` rounds through a library call where the build has no SSE4.1, and the
-    /// softmax rows of a short prompt (a few to a few dozen positions) are mostly tail.
+    /// [`super::exp_in_place`] sixteen lanes at a time, the tail as one masked vector rather
+    /// than one scalar `exp` at a time: the softmax rows of a short prompt (a few to a few dozen
+    /// positions) are mostly tail.
     ///
     /// # Safety
     /// The CPU has AVX-512F.
