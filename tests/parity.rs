@@ -151,6 +151,56 @@ fn bf16_resident_weights_meet_the_f32_tolerance() {
     println!("bf16-resident weights ({:?} kernel): max |logit diff| = {worst:.3e}", tpserve::model::cpu_matmul::Isa::selected());
 }
 
+/// Rows that only want their largest logit (greedy serving: `SequenceInput::argmax_only`) get,
+/// from bf16 weights held for exact products, the exact product's value wherever a value can be
+/// the largest, bit for bit, so the same greedy ids; on a CPU with the bf16 pair body the other
+/// values come back NEG_INFINITY, the suppressed token's among them. Every prompt in one step.
+#[test]
+fn argmax_only_rows_keep_the_exact_winner() {
+    use tpserve::model::paged::{BlockPool, DEFAULT_BLOCK_SIZE, contiguous_table};
+    use tpserve::model::{CacheStore, SequenceInput};
+    let options = LoadOptions { dtype: Some(DType::BF16), device: Device::Cpu, products: tpserve::model::Products::Exact };
+    let model = Model::load(&common::fixture("qwen3_c_bf16"), &TpGroup::single(), &options, Arc::new(LoadProgress::default())).unwrap();
+    let prompts = common::expected("qwen3_c_bf16");
+    let blocks_each = prompts.iter().map(|p| p.ids.len().div_ceil(DEFAULT_BLOCK_SIZE)).max().unwrap();
+    let tables: Vec<Vec<u32>> = (0..prompts.len()).map(|i| contiguous_table((i * blocks_each) as u32, blocks_each * DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)).collect();
+    let logits = |argmax_only: Option<&[u32]>| -> Vec<Vec<f32>> {
+        let mut store = CacheStore::new(BlockPool::new(prompts.len() * blocks_each, DEFAULT_BLOCK_SIZE));
+        let inputs: Vec<SequenceInput<'_>> = prompts
+            .iter()
+            .zip(&tables)
+            .enumerate()
+            .map(|(i, (prompt, table))| SequenceInput { argmax_only, ..SequenceInput::new(i as u64, &prompt.ids, 0, true, table) })
+            .collect();
+        model.step(&inputs, &mut store).unwrap().unwrap().to_vec2::<f32>().unwrap()
+    };
+    let first_of_largest = |row: &[f32]| (0..row.len()).fold(0, |best, j| if row[j] > row[best] { j } else { best });
+    let exact = logits(None);
+    // EOS suppressed, as the reference's greedy ids were made (and `--ignore-eos` asks).
+    let suppressed = [EOS];
+    let fast = logits(Some(&suppressed));
+    let mut dropped = 0;
+    for (i, (fast, exact)) in fast.iter().zip(&exact).enumerate() {
+        let mut open = exact.clone();
+        open[EOS as usize] = f32::NEG_INFINITY;
+        assert_eq!(first_of_largest(fast), first_of_largest(&open), "prompt {i}");
+        assert_eq!(first_of_largest(&open), prompts[i].greedy_new_ids[0] as usize, "prompt {i}: the reference's first id");
+        for (j, (&f, &e)) in fast.iter().zip(exact).enumerate() {
+            if f == f32::NEG_INFINITY {
+                dropped += 1;
+            } else {
+                assert_eq!(f.to_bits(), e.to_bits(), "prompt {i} token {j}: {f} against {e}");
+            }
+        }
+        assert_eq!(fast[EOS as usize], f32::NEG_INFINITY, "prompt {i}: the suppressed token");
+    }
+    let pairs = tpserve_kernels::panels::bf16_dot_available();
+    println!("argmax-only rows (bf16 pair body: {pairs}): {dropped} of {} values left out", fast.len() * fast[0].len());
+    if pairs {
+        assert!(dropped > fast.len() * fast[0].len() / 2, "only {dropped} values were left out");
+    }
+}
+
 /// `--matmul-precision bf16`: bf16 weights whose products round the activations to bf16
 /// (`vdpbf16ps` where the CPU has avx512_bf16). Lossy, so it meets a half-precision tolerance of
 /// the f32-compute reference, not the f32 one; prints the logit difference and how many greedy

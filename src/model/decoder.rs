@@ -251,7 +251,11 @@ impl Model {
             return Ok(None);
         }
         let count = last_rows.len();
-        let last = hidden.index_select(&Tensor::from_vec(last_rows, count, &device)?, 0)?;
-        self.lm_head.forward(&self.norm.forward(&last)?)
+        let last = self.norm.forward(&hidden.index_select(&Tensor::from_vec(last_rows, count, &device)?, 0)?)?;
+        let argmax_only: Option<Vec<&[u32]>> = batch.iter().filter(|seq| seq.sample).map(|seq| seq.argmax_only).collect();
+        match argmax_only {
+            Some(suppressed) => self.lm_head.forward_argmax(&last, &suppressed),
+            None => self.lm_head.forward(&last),
+        }
     }
 }

@@ -59,12 +59,17 @@ pub struct SequenceInput<'a> {
     pub restore_state: Option<u32>,
     /// after the step, snapshot the recurrent state under this block id
     pub save_state: Option<u32>,
+    /// Some(suppressed) where the sampler takes only the largest of the sequence's logits and
+    /// never one of the token ids `suppressed` (greedy, no logprobs, no penalties): its row may
+    /// then hold only the values that can be that largest, exact, and NEG_INFINITY elsewhere,
+    /// if every sampling sequence of the step is so (`ParallelLmHead::forward_argmax`)
+    pub argmax_only: Option<&'a [u32]>,
 }
 
 impl<'a> SequenceInput<'a> {
     /// A step with no prefix-cache involvement.
     pub fn new(seq_id: u64, tokens: &'a [u32], start_pos: usize, sample: bool, blocks: &'a [u32]) -> Self {
-        Self { seq_id, tokens, start_pos, sample, blocks, cached_prefix: 0, restore_state: None, save_state: None }
+        Self { seq_id, tokens, start_pos, sample, blocks, cached_prefix: 0, restore_state: None, save_state: None, argmax_only: None }
     }
 }
 

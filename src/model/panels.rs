@@ -2,10 +2,12 @@
 //! once at load, multiplied by the broadcast-form kernels at every row count; a bf16 one in the
 //! precision the load asked for ([`Products`]).
 
+use std::sync::OnceLock;
+
 use anyhow::{Result, bail};
 use candle_core::{DType, Device, Storage, Tensor};
 use tpserve_kernels::cpu_matmul::Isa;
-use tpserve_kernels::panels::{self, Packed, Products};
+use tpserve_kernels::panels::{self, ColumnNorms, Packed, Products};
 
 use super::placement::with_host_f32;
 
@@ -17,6 +19,8 @@ pub struct PanelMatrix {
     data: Tensor,
     /// how a bf16 weight's products are computed (f32 weights: always exact)
     products: Products,
+    /// its columns' norms, made the first time [`PanelMatrix::argmax_logits`] needs them
+    norms: OnceLock<ColumnNorms>,
 }
 
 /// Runs `f` on the elements of a contiguous CPU tensor of f32 or bf16, as stored.
@@ -59,7 +63,7 @@ impl PanelMatrix {
             other => bail!("no panel layout for {other:?}"),
         };
         let products = if w.dtype() == DType::BF16 { products } else { Products::Exact };
-        Ok(PanelMatrix { rows, cols, data, products })
+        Ok(PanelMatrix { rows, cols, data, products, norms: OnceLock::new() })
     }
 
     /// `parts` stacked by rows (fused q/k/v, gate/up) without unpacking them, when every part
@@ -88,7 +92,7 @@ impl PanelMatrix {
             DType::BF16 => gather::<half::bf16>(parts)?,
             other => bail!("no panel layout for {other:?}"),
         };
-        Ok(Some(PanelMatrix { rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols, data, products: first.products }))
+        Ok(Some(PanelMatrix { rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols, data, products: first.products, norms: OnceLock::new() }))
     }
 
     /// The row-major `[rows, cols]` tensor it was packed from (to stack weights before packing
@@ -135,6 +139,32 @@ impl PanelMatrix {
         let out = with_host_f32(&x32, |values| with_elements(&self.data, |packed| panels::matmul(values, m, k, packed, self.rows, Isa::selected(), self.products)))?;
         let Some(out) = out.transpose()? else { bail!("panel weights multiply CPU activations") };
         Ok(Tensor::from_vec(out, (m, self.rows), &Device::Cpu)?.to_dtype(x.dtype())?)
+    }
+
+    /// Logits for rows that only want their largest value (`panels::argmax_logits`): `x [m,
+    /// cols] @ self.T` in f32, each row exact in the columns that can be its largest once its
+    /// `masked` columns are left out, NEG_INFINITY in the others. None where the weight has no
+    /// such path: f32, bf16 held for bf16 products (already that fast), or a CPU without the
+    /// bf16 pair body.
+    pub fn argmax_logits(&self, x: &Tensor, masked: &[&[usize]]) -> Result<Option<Tensor>> {
+        let isa = Isa::selected();
+        if self.dtype() != DType::BF16 || self.products != Products::Exact || !panels::argmax_available(isa) {
+            return Ok(None);
+        }
+        let (m, k) = x.dims2()?;
+        if k != self.cols || masked.len() != m {
+            bail!("argmax logits of [{m}, {k}] ({} masks) by a weight of {} columns", masked.len(), self.cols);
+        }
+        let x32 = x.to_dtype(DType::F32)?.contiguous()?;
+        let out = with_host_f32(&x32, |values| {
+            with_elements(&self.data, |packed| {
+                let Packed::Bf16(w) = packed else { unreachable!("a bf16 tensor holds bf16 panels") };
+                let norms = self.norms.get_or_init(|| ColumnNorms::of(w, self.rows, self.cols));
+                panels::argmax_logits(values, m, k, w, self.rows, norms, masked, isa)
+            })
+        })?;
+        let Some(out) = out.transpose()? else { bail!("panel weights multiply CPU activations") };
+        Ok(Some(Tensor::from_vec(out, (m, self.rows), &Device::Cpu)?))
     }
 
     /// Rows `ids` as f32 `[ids.len(), cols]` (an embedding lookup).

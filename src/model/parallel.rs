@@ -347,7 +347,29 @@ impl ParallelLmHead {
 
     /// hidden [n, hidden] -> full logits [n, vocab] in f32 on the sampling rank, None elsewhere.
     pub fn forward(&self, hidden: &Tensor) -> Result<Option<Tensor>> {
-        let local = linear(hidden, &self.weight, None)?.to_dtype(DType::F32)?;
+        self.gather(linear(hidden, &self.weight, None)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`ParallelLmHead::forward`] for rows whose sampler takes only the largest logit and
+    /// never one of the token ids `suppressed[row]`: those values exactly where they can be the
+    /// largest, NEG_INFINITY elsewhere (`PanelMatrix::argmax_logits`), the full logits where
+    /// the weight has no such path. Each rank's candidates hold the largest of its slice,
+    /// hence the gathered row's.
+    pub fn forward_argmax(&self, hidden: &Tensor, suppressed: &[&[u32]]) -> Result<Option<Tensor>> {
+        let Weight::Panels(panels) = &self.weight else { return self.forward(hidden) };
+        let first: usize = self.vocab_parts[..self.group.rank].iter().sum();
+        let len = self.vocab_parts[self.group.rank];
+        let masked: Vec<Vec<usize>> =
+            suppressed.iter().map(|ids| ids.iter().filter_map(|&id| (id as usize).checked_sub(first).filter(|&j| j < len)).collect()).collect();
+        let masked: Vec<&[usize]> = masked.iter().map(Vec::as_slice).collect();
+        match panels.argmax_logits(hidden, &masked)? {
+            Some(local) => self.gather(local),
+            None => self.forward(hidden),
+        }
+    }
+
+    /// A rank's logits `[n, local vocab]` -> `[n, vocab]` on the sampling rank.
+    fn gather(&self, local: Tensor) -> Result<Option<Tensor>> {
         if self.group.skips_collectives() {
             return Ok(Some(local));
         }

@@ -364,6 +364,7 @@ impl Worker {
                 cached_prefix: seq.cached_prefix as usize,
                 restore_state: seq.restore_state_block,
                 save_state: seq.save_state_block,
+                argmax_only: argmax_only(seq),
             })
             .collect();
         check_prefix_tokens(shard, &request.sequences)?;
@@ -527,6 +528,17 @@ impl SequenceTokens {
                 .map(|(token_id, logprob)| pb::TokenLogprob { token_id, logprob })
                 .collect(),
         })
+    }
+}
+
+/// The token ids a sampling sequence's sampler never picks, where it reads nothing else of its
+/// logits but the largest (`SequenceInput::argmax_only`): then the model may compute only the
+/// values that can be the largest.
+fn argmax_only(seq: &pb::SequenceStep) -> Option<&[u32]> {
+    match &seq.sampling {
+        _ if !seq.sample => None,
+        None => Some(&[]),
+        Some(p) => (sampling_params(p).reads_only_the_maximum() && !p.logprobs).then_some(p.suppressed_token_ids.as_slice()),
     }
 }
 

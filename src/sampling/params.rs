@@ -63,6 +63,13 @@ impl SamplingParams {
         self.temperature.is_nan() || self.temperature < GREEDY_TEMPERATURE
     }
 
+    /// Whether sampling reads nothing of the logits but which is the largest: greedy, no
+    /// penalties (they change other tokens' logits first), no top logprobs (the chosen token's
+    /// logprob is asked for apart, `Sampler::with_logprob`).
+    pub fn reads_only_the_maximum(&self) -> bool {
+        self.is_greedy() && !self.has_repetition_penalty() && !self.has_count_penalties() && self.top_logprobs == 0
+    }
+
     pub(super) fn has_repetition_penalty(&self) -> bool {
         self.repetition_penalty != 1.0 && self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()
     }

@@ -4,7 +4,8 @@
 //!   portable), and the one place an instruction set is chosen ([`cpu_matmul::Isa`]).
 //! - [`panels`]: f32 and bf16 weights packed at load into column panels, and their
 //!   broadcast-form products (AVX-512F; the model holds dense weights so where it applies);
-//!   bf16 weights also against activations rounded to bf16 (`vdpbf16ps`, on request).
+//!   bf16 weights also against activations rounded to bf16 (`vdpbf16ps`, on request), and
+//!   greedy rows' logits from those products with the possible winners computed exactly.
 //! - [`quant`]: GGML block formats kept as bytes ([`quant::formats`]) and their integer dot
 //!   products with 8-bit activations ([`quant::kernels`]).
 //! - [`activation`]: SwiGLU's `silu(gate) * up` in one pass, with an 8- or 16-lane exponential.

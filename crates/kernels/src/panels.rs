@@ -41,6 +41,9 @@ use rayon::prelude::*;
 use crate::cpu_matmul::Isa;
 use crate::output::Output;
 
+mod greedy;
+pub use greedy::{ColumnNorms, argmax_available, argmax_logits};
+
 /// Columns (weight rows) per panel: one AVX-512 vector of f32.
 pub const PANEL: usize = 16;
 /// Terms an output element sums from zero before adding the run's sum to its total: runs of
