@@ -16,8 +16,8 @@
 //!
 //! |e_j - a_j| <= (2^-9 + 2.01 γ_k) S_j + k 2^-125 (1 + max_i |w_ji|)
 //!
-//! [`bound`] takes twice the first factor, S_j's upper bound min(|w_j|_2 |x|_2, |w_j|_1 |x|_inf)
-//! (Cauchy-Schwarz and Hölder), and |w_j|_1 for the largest weight. With T = max_t (a_t - B_t),
+//! [`candidates`] takes twice the first factor, S_j's upper bound |w_j|_2 |x|_2 (Cauchy-Schwarz),
+//! and the largest |w_j|_1 of the weight for the largest weight. With T = max_t (a_t - B_t),
 //! the exact maximum e_m >= e_t >= a_t - B_t for every t, so e_m >= T and a_m + B_m >= e_m >= T:
 //! the candidates {j : a_j + B_j >= T} hold every column whose exact value can be the maximum,
 //! and every other column's exact value is below T, strictly below e_m.
@@ -31,16 +31,14 @@ use crate::cpu_matmul::Isa;
 pub struct ColumnNorms {
     /// |w_j|_2, rounded up to f32
     l2: Vec<f32>,
-    /// |w_j|_1, rounded up to f32
-    l1: Vec<f32>,
-    /// the bound's part for flushed subnormals, k 2^-125 (1 + |w_j|_1)
-    floor: Vec<f32>,
+    /// the bound's part for flushed subnormals, k 2^-125 (1 + max_j |w_j|_1)
+    floor: f32,
 }
 
 impl ColumnNorms {
     /// The norms of the `n` columns (weight rows) of a packed `[n, k]` bf16 weight.
     pub fn of(packed: &[u16], n: usize, k: usize) -> Self {
-        let (l2, l1): (Vec<f32>, Vec<f32>) = (0..n)
+        let (l2, l1): (Vec<f32>, Vec<f64>) = (0..n)
             .into_par_iter()
             .map(|j| {
                 let (mut squares, mut sum) = (0f64, 0f64);
@@ -49,12 +47,11 @@ impl ColumnNorms {
                     squares += w * w;
                     sum += w.abs();
                 }
-                let up = |v: f64| (v * (1.0 + 2f64.powi(-20))) as f32;
-                (up(squares.sqrt()), up(sum))
+                ((squares.sqrt() * (1.0 + 2f64.powi(-20))) as f32, sum)
             })
             .unzip();
-        let floor = l1.iter().map(|&l1| (k as f64 * 2f64.powi(-125) * (1.0 + l1 as f64)) as f32).collect();
-        Self { l2, l1, floor }
+        let floor = (k as f64 * 2f64.powi(-125) * (1.0 + l1.iter().copied().fold(0.0, f64::max))) as f32;
+        Self { l2, floor }
     }
 }
 
@@ -110,21 +107,24 @@ pub fn argmax_logits(x: &[f32], m: usize, k: usize, w: &[u16], n: usize, norms: 
 /// A row with more candidates than one in this many columns is computed whole.
 const MOST_CANDIDATES_PER: usize = 16;
 
-/// The columns of `approx` (one row's bf16 products, its `masked` columns set to
-/// NEG_INFINITY here) that can hold the row's exact maximum, in order; None where the bound does
-/// not hold (an activation or product that is not finite, or k too large for it) or every
-/// column is masked.
+/// The columns of `approx` (one row's bf16 products) that can hold the row's exact maximum once
+/// the `masked` ones are left out, in order; None where the bound does not hold (an activation
+/// or product that is not finite, or k too large for it), or no column is left.
 ///
-/// The bound on |e_j - a_j| (see the module's note) is `factor * min(|w_j|_2 |x|_2, |w_j|_1
-/// |x|_inf) + floor_j`, in f32: the norms are rounded up, and the factor is twice what the
-/// errors need, which covers the f32 rounding of the bound and of `a_j +- B_j` many times over.
-/// Passes of [`LANES`]-wide chunks over the row, which the compiler vectorizes: whether every
-/// product is finite, the threshold, the columns that reach it.
+/// The bound on |e_j - a_j| (see the module's note) is `factor |w_j|_2 |x|_2 + floor`, in f32:
+/// the norms are rounded up, and the factor is twice what the errors need, which covers the f32
+/// rounding of the bound and of `a_j +- B_j` many times over. One pass of [`LANES`]-wide chunks,
+/// which the compiler vectorizes: each lane keeps a running threshold over its columns, and
+/// the columns that reach their lane's so far are kept, to be checked against the row's final
+/// threshold at the end (a lane's running threshold is never above the row's final one, so
+/// every column that reaches the final one reached its lane's when it was seen). The masked columns' products become the most negative finite f32 / 4 first, which no
+/// open column's bound reaches from a finite logit the bound holds for.
 ///
 /// # Safety
 /// The CPU has AVX-512F.
 #[target_feature(enable = "avx512f")]
 unsafe fn candidates(x: &[f32], approx: &mut [f32], norms: &ColumnNorms, masked: &[usize]) -> Option<Vec<usize>> {
+    const SHUT: f32 = f32::MIN / 4.0;
     let k = x.len() as f64;
     if !x.iter().all(|v| v.is_finite()) || k * 2f64.powi(-24) >= 0.01 {
         return None;
@@ -132,61 +132,46 @@ unsafe fn candidates(x: &[f32], approx: &mut [f32], norms: &ColumnNorms, masked:
     let gamma = k * 2f64.powi(-24) / (1.0 - k * 2f64.powi(-24));
     let factor = (2.0 * (2f64.powi(-9) + 2.01 * gamma)) as f32;
     let x_l2 = (x.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt() * (1.0 + 2f64.powi(-20))) as f32;
-    let x_inf = x.iter().fold(0f32, |m, &v| m.max(v.abs()));
-    let bound = |l2: f32, l1: f32, floor: f32| bound(factor, x_l2, x_inf, l2, l1, floor);
-    // a * 0 is NaN for an infinite or NaN a, and a sum of lanes keeps it.
-    let mut poison = [0f32; LANES];
-    let chunks = approx.chunks_exact(LANES);
-    let tail: f32 = chunks.remainder().iter().map(|a| a * 0.0).sum();
-    for a in chunks {
-        for l in 0..LANES {
-            poison[l] += a[l] * 0.0;
-        }
-    }
-    if (poison.iter().sum::<f32>() + tail).is_nan() {
-        return None;
-    }
+    let scale = factor * x_l2;
     for &j in masked {
         if let Some(a) = approx.get_mut(j) {
-            *a = f32::NEG_INFINITY;
+            *a = if a.is_finite() { SHUT } else { *a };
         }
     }
+    // a * 0 is NaN for an infinite or NaN a, and a sum of lanes keeps it.
+    let mut poison = [0f32; LANES];
+    // each lane's running threshold: the lanes' largest is the row's
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut kept = Vec::new();
     let columns = approx.len();
     let whole = columns / LANES * LANES;
-    let mut lower = [f32::NEG_INFINITY; LANES];
-    for (((a, l2), l1), floor) in approx[..whole].chunks_exact(LANES).zip(norms.l2.chunks_exact(LANES)).zip(norms.l1.chunks_exact(LANES)).zip(norms.floor.chunks_exact(LANES)) {
-        for l in 0..LANES {
-            lower[l] = max(lower[l], a[l] - bound(l2[l], l1[l], floor[l]));
-        }
-    }
-    let threshold = (whole..columns).map(|j| approx[j] - bound(norms.l2[j], norms.l1[j], norms.floor[j])).chain(lower).fold(f32::NEG_INFINITY, max);
-    if !threshold.is_finite() {
-        return None;
-    }
-    let reaches = |j: usize| approx[j] + bound(norms.l2[j], norms.l1[j], norms.floor[j]) >= threshold;
-    let mut found = Vec::new();
-    for (c, ((a, l2), l1)) in approx[..whole].chunks_exact(LANES).zip(norms.l2.chunks_exact(LANES)).zip(norms.l1.chunks_exact(LANES)).enumerate() {
+    for (c, (a, l2)) in approx[..whole].chunks_exact(LANES).zip(norms.l2.chunks_exact(LANES)).enumerate() {
         let mut any = false;
         for l in 0..LANES {
-            any |= a[l] + bound(l2[l], l1[l], norms.floor[c * LANES + l]) >= threshold;
+            let bound = scale * l2[l] + norms.floor;
+            poison[l] += a[l] * 0.0;
+            lanes[l] = max(lanes[l], a[l] - bound);
+            any |= a[l] + bound >= lanes[l];
         }
         if any {
-            found.extend((c * LANES..(c + 1) * LANES).filter(|&j| reaches(j)));
+            kept.extend((c * LANES..(c + 1) * LANES).filter(|&j| approx[j] + (scale * norms.l2[j] + norms.floor) >= lanes[j % LANES]));
         }
     }
-    found.extend((whole..columns).filter(|&j| reaches(j)));
-    Some(found)
+    for j in whole..columns {
+        poison[0] += approx[j] * 0.0;
+        lanes[0] = max(lanes[0], approx[j] - (scale * norms.l2[j] + norms.floor));
+        kept.push(j);
+    }
+    let threshold = lanes.iter().copied().fold(f32::NEG_INFINITY, max);
+    if poison.iter().sum::<f32>().is_nan() || !(threshold > SHUT / 2.0) {
+        return None;
+    }
+    kept.retain(|&j| approx[j] + (scale * norms.l2[j] + norms.floor) >= threshold);
+    Some(kept)
 }
 
-/// Columns [`candidates`]' passes take at a time: one AVX-512 vector of f32.
+/// Columns [`candidates`] takes at a time: one AVX-512 vector of f32.
 const LANES: usize = 16;
-
-/// The bound of column j (norms `l2`, `l1`, `floor`) for a row of norms `x_l2`, `x_inf`.
-#[inline(always)]
-fn bound(factor: f32, x_l2: f32, x_inf: f32, l2: f32, l1: f32, floor: f32) -> f32 {
-    let (a, b) = (l2 * x_l2, l1 * x_inf);
-    factor * if a < b { a } else { b } + floor
-}
 
 /// The larger of two numbers that are not NaN (one compare and blend: `f32::max`'s NaN rules
 /// cost a second compare per lane).
