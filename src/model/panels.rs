@@ -158,12 +158,12 @@ impl PanelMatrix {
         let x32 = x.to_dtype(DType::F32)?.contiguous()?;
         let out = with_host_f32(&x32, |values| {
             with_elements(&self.data, |packed| {
-                let Packed::Bf16(w) = packed else { unreachable!("a bf16 tensor holds bf16 panels") };
+                let Packed::Bf16(w) = packed else { return None };
                 let norms = self.norms.get_or_init(|| ColumnNorms::of(w, self.rows, self.cols));
-                panels::argmax_logits(values, m, k, w, self.rows, norms, masked, isa)
+                Some(panels::argmax_logits(values, m, k, w, self.rows, norms, masked, isa))
             })
         })?;
-        let Some(out) = out.transpose()? else { bail!("panel weights multiply CPU activations") };
+        let Some(out) = out.transpose()?.flatten() else { bail!("argmax logits need bf16 panels and CPU activations") };
         Ok(Some(Tensor::from_vec(out, (m, self.rows), &Device::Cpu)?))
     }
 
