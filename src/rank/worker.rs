@@ -476,10 +476,10 @@ fn sample_rows(
         };
         state.sample(seq, &params, &values)
     };
-    let argmax_only = |seq: &pb::SequenceStep| {
+    let one_pass = |seq: &pb::SequenceStep| {
         seq.sampling.as_ref().is_none_or(|p| sampling_params(p).is_greedy() && !p.logprobs && p.top_logprobs == 0)
     };
-    if sampling.iter().all(|seq| argmax_only(seq)) {
+    if sampling.iter().all(|seq| one_pass(seq)) {
         jobs.into_iter().map(sample).collect()
     } else {
         jobs.into_par_iter().map(sample).collect()
