@@ -17,7 +17,7 @@
 //! |e_j - a_j| <= (2^-9 + 2.01 γ_k) S_j + k 2^-125 (1 + max_i |w_ji|)
 //!
 //! [`candidates`] takes twice the first factor, S_j's upper bound |w_j|_2 |x|_2 (Cauchy-Schwarz),
-//! and the largest |w_j|_1 of the weight for the largest weight. With T = max_t (a_t - B_t),
+//! and the weight's largest |w_j|_1 in place of max_i |w_ji|. With T = max_t (a_t - B_t),
 //! the exact maximum e_m >= e_t >= a_t - B_t for every t, so e_m >= T and a_m + B_m >= e_m >= T:
 //! the candidates {j : a_j + B_j >= T} hold every column whose exact value can be the maximum,
 //! and every other column's exact value is below T, strictly below e_m.
@@ -117,8 +117,9 @@ const MOST_CANDIDATES_PER: usize = 16;
 /// which the compiler vectorizes: each lane keeps a running threshold over its columns, and
 /// the columns that reach their lane's so far are kept, to be checked against the row's final
 /// threshold at the end (a lane's running threshold is never above the row's final one, so
-/// every column that reaches the final one reached its lane's when it was seen). The masked columns' products become the most negative finite f32 / 4 first, which no
-/// open column's bound reaches from a finite logit the bound holds for.
+/// every column that reaches the final one reached its lane's when it was seen). The masked
+/// columns' products become the most negative finite f32 / 4 first, so that they never set the
+/// threshold, and are dropped from the candidates at the end whatever their bound.
 ///
 /// # Safety
 /// The CPU has AVX-512F.
@@ -166,7 +167,7 @@ unsafe fn candidates(x: &[f32], approx: &mut [f32], norms: &ColumnNorms, masked:
     if poison.iter().sum::<f32>().is_nan() || !(threshold > SHUT / 2.0) {
         return None;
     }
-    kept.retain(|&j| approx[j] + (scale * norms.l2[j] + norms.floor) >= threshold);
+    kept.retain(|&j| approx[j] + (scale * norms.l2[j] + norms.floor) >= threshold && !masked.contains(&j));
     Some(kept)
 }
 
