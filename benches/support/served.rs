@@ -7,15 +7,19 @@ use tpserve::net::{self, Address};
 use tpserve::proto::v1 as pb;
 use tpserve::proto::v1::generator_client::GeneratorClient;
 
-/// `tpserve serve --tp 1 --max-batch-size 64` on `model` at `address`, plus `flags`.
+/// `tpserve serve --tp 1 --max-batch-size 64` on `model` at `address`, plus `flags`. Its log
+/// goes nowhere unless `TPSERVE_BENCH_SERVER_LOG` is set (then to this process's stderr, with
+/// the server's own `RUST_LOG`: the coordinator's step trace is
+/// `RUST_LOG=tpserve::coordinator::engine=trace`).
 pub fn start_server(model: &std::path::Path, address: &str, flags: &[&str]) -> Child {
+    let log = if std::env::var_os("TPSERVE_BENCH_SERVER_LOG").is_some() { Stdio::inherit() } else { Stdio::null() };
     Command::new(env!("CARGO_BIN_EXE_tpserve"))
         .args(["serve", "--tp", "1", "--max-batch-size", "64", "--listen", address])
         .args(flags)
         .arg("--model")
         .arg(model)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .unwrap()
 }
