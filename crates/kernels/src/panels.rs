@@ -261,10 +261,10 @@ fn product(out: Output, x: &[f32], m: usize, k: usize, w: Packed, n: usize, isa:
 /// step of the 100M shape: 2.7% of both threads' samples idle during the fused gate/up alone,
 /// about 54 µs a product, several tasks' worth). One job per task costs a push onto the deque
 /// each. The layers' products of that shape, 2 threads, medians of 28 alternating passes in one
-/// process: exact bf16 16 rows 3.4-8.3% faster in four runs, 8 rows 15% (one run), 64 rows 4%, one
-/// row the same; f32 16 rows 5%. Whole 16-row steps (`eval-shard`, both ways alternating step by step,
-/// medians of 100 each): exact bf16 3.5% and 5.8% faster, f32 6.8% (with the attention's tasks
-/// split the same way), one row the same.
+/// process: exact bf16 16 rows 3.4-8.3% less time in four runs, 8 rows 15% (one run), 64 rows
+/// 4%, one row the same; f32 16 rows 3-5%. Whole 16-row steps (`eval-shard`, both ways
+/// alternating step by step, medians of 100 each): exact bf16 5.5% and 3.4% less time, f32 6.3%
+/// (with the attention's tasks split the same way), one row the same.
 fn for_each_task(panels: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
     (0..panels.div_ceil(TASK_PANELS))
         .into_par_iter()

@@ -307,8 +307,8 @@ pub fn matmul(x: &[f32], m: usize, k: usize, dtype: Format, w: &[u8], n: usize, 
     // [4096x768] product's 128 tasks in one piece (a 16-row q8_0 step of the 100M shape: 5.8%
     // of both threads' samples idle while the other finished its piece). A task is a
     // microsecond or two at 16 rows, so one job each cost what it saved (1 row 3% slower).
-    // That step, alternating step by step in one process, medians of 100: 16 rows 6.4%, 4.5%
-    // and 1.1% faster, one row the same (+1.5%, -1.3%, +0.4%).
+    // That step, alternating step by step in one process, medians of 100: 16 rows 6.0%, 4.3%
+    // and 1.1% less time, one row the same (+1.5%, -1.3%, +0.4%).
     (0..groups.div_ceil(GROUPS_PER_TASK)).into_par_iter().with_max_len(8).for_each(|task| {
         let end = ((task + 1) * GROUPS_PER_TASK).min(groups);
         let mut g = task * GROUPS_PER_TASK;
