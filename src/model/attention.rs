@@ -216,10 +216,11 @@ fn attend_in_place<T: KvElement>(q: &[f32], batch: &[SequenceInput<'_>], histori
         }
         token += n;
     }
-    // One job per task, so that a thread out of work can take any task left (rayon's own pieces
-    // ran up to a quarter of the tasks in one go, which no other thread could take). A 16-row step of the
-    // 100M shape, both ways alternating step by step in one process, medians of 100: q8_0
-    // 5.1%, 3.6% and 0.6% less time, exact bf16 2.5% and the same; one row the same.
+    // One job per task, so that a thread out of work can take any task left (rayon's own
+    // pieces ran up to a quarter of the tasks in one go, which no other thread could take). A
+    // 16-row step of the 100M shape, both ways alternating step by step in one process, medians
+    // of 100: q8_0 5.1%, 3.6% and 0.6% less time, exact bf16 2.5% and the same; one row the
+    // same.
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
         .with_max_len(1)
