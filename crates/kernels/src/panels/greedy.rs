@@ -134,6 +134,8 @@ unsafe fn candidates(x: &[f32], approx: &mut [f32], norms: &ColumnNorms, masked:
     let factor = (2.0 * (2f64.powi(-9) + 2.01 * gamma)) as f32;
     let x_l2 = (x.iter().map(|&v| v as f64 * v as f64).sum::<f64>().sqrt() * (1.0 + 2f64.powi(-20))) as f32;
     let scale = factor * x_l2;
+    // column j's bound B_j (the lanes' loop below computes it lane by lane, the same way)
+    let bound = |j: usize| scale * norms.l2[j] + norms.floor;
     for &j in masked {
         if let Some(a) = approx.get_mut(j) {
             *a = if a.is_finite() { SHUT } else { *a };
@@ -155,19 +157,19 @@ unsafe fn candidates(x: &[f32], approx: &mut [f32], norms: &ColumnNorms, masked:
             any |= a[l] + bound >= lanes[l];
         }
         if any {
-            kept.extend((c * LANES..(c + 1) * LANES).filter(|&j| approx[j] + (scale * norms.l2[j] + norms.floor) >= lanes[j % LANES]));
+            kept.extend((c * LANES..(c + 1) * LANES).filter(|&j| approx[j] + bound(j) >= lanes[j % LANES]));
         }
     }
     for j in whole..columns {
         poison[0] += approx[j] * 0.0;
-        lanes[0] = max(lanes[0], approx[j] - (scale * norms.l2[j] + norms.floor));
+        lanes[0] = max(lanes[0], approx[j] - bound(j));
         kept.push(j);
     }
     let threshold = lanes.iter().copied().fold(f32::NEG_INFINITY, max);
     if poison.iter().sum::<f32>().is_nan() || !(threshold > SHUT / 2.0) {
         return None;
     }
-    kept.retain(|&j| approx[j] + (scale * norms.l2[j] + norms.floor) >= threshold && !masked.contains(&j));
+    kept.retain(|&j| approx[j] + bound(j) >= threshold && !masked.contains(&j));
     Some(kept)
 }
 
